@@ -1,0 +1,132 @@
+"""The pipeline config: one pydantic model that every layer reads.
+
+A pipeline is a graph of stages. Each stage names the stages that feed it; the orchestrator
+runs them in topological order and hands each stage's outputs to its consumers through the
+consumer's input processor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+EngineType = Literal["ar"]
+OutputType = Literal["text", "tokens", "hidden_states", "image", "audio", "latent"]
+
+# What each engine type can produce; checked so a config cannot promise an output nobody makes.
+ENGINE_OUTPUTS: dict[str, set[str]] = {"ar": {"text", "tokens", "hidden_states"}}
+
+
+class StageConfig(BaseModel):
+    """One stage of a pipeline."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+    engine: EngineType = "ar"
+    model: str | None = Field(
+        default=None, description="Model folder; default: the model the pipeline was loaded for."
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM engine args (AsyncEngineArgs fields)."
+    )
+    sampling_params: dict[str, Any] = Field(
+        default_factory=dict, description="Default sampling params (SamplingParams fields)."
+    )
+    inputs: list[str] = Field(default_factory=list, description="Stages that feed this one.")
+    input_processor: str | None = Field(
+        default=None,
+        description="'module:function' turning upstream outputs into this stage's prompt.",
+    )
+    output: OutputType = "text"
+    final_output: bool = False
+
+    @field_validator("input_processor")
+    @classmethod
+    def _dotted_path(cls, value: str | None) -> str | None:
+        if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
+            raise ValueError(f"must look like 'package.module:function', got {value!r}")
+        return value
+
+    @field_validator("engine_args")
+    @classmethod
+    def _known_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from dataclasses import fields
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        known = {f.name for f in fields(AsyncEngineArgs)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown vLLM engine args {unknown}")
+        return value
+
+    @field_validator("sampling_params")
+    @classmethod
+    def _known_sampling_params(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        unknown = sorted(set(value) - set(SamplingParams.__struct_fields__))
+        if unknown:
+            raise ValueError(f"unknown sampling params {unknown}")
+        return value
+
+    @model_validator(mode="after")
+    def _output_matches_engine(self) -> StageConfig:
+        if self.output not in ENGINE_OUTPUTS[self.engine]:
+            raise ValueError(
+                f"an {self.engine!r} stage cannot output {self.output!r} "
+                f"(it can output {sorted(ENGINE_OUTPUTS[self.engine])})"
+            )
+        if self.inputs and self.input_processor is None:
+            raise ValueError("a stage with inputs needs an input_processor")
+        return self
+
+
+class PipelineConfig(BaseModel):
+    """A graph of stages, declared once in YAML."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    architectures: list[str] = Field(
+        default_factory=list, description="HF architectures this built-in pipeline serves."
+    )
+    stages: list[StageConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _valid_graph(self) -> PipelineConfig:
+        names = [s.name for s in self.stages]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"stage names must be unique, repeated: {dupes}")
+        for stage in self.stages:
+            missing = [i for i in stage.inputs if i not in names]
+            if missing:
+                raise ValueError(f"stage {stage.name!r}: inputs name unknown stages {missing}")
+        self.topological_order()  # raises on cycles
+        if not any(s.final_output for s in self.stages):
+            raise ValueError("no stage has final_output: true, so the pipeline returns nothing")
+        return self
+
+    def stage(self, name: str) -> StageConfig:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"pipeline {self.name!r} has no stage {name!r}")
+
+    def topological_order(self) -> list[StageConfig]:
+        """Stages so that each comes after every stage that feeds it."""
+        done: list[str] = []
+        pending = list(self.stages)
+        while pending:
+            ready = [s for s in pending if all(i in done for i in s.inputs)]
+            if not ready:
+                raise ValueError(f"stage inputs form a cycle among {[s.name for s in pending]}")
+            done += [s.name for s in ready]
+            pending = [s for s in pending if s not in ready]
+        return [self.stage(n) for n in done]
+
+    def consumers(self, name: str) -> list[StageConfig]:
+        return [s for s in self.stages if name in s.inputs]
