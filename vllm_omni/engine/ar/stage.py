@@ -1,0 +1,93 @@
+"""An autoregressive stage: vLLM's own AsyncLLM, its EngineCore in a separate process."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import EngineInput, PromptType
+from vllm.renderers.inputs.preprocess import parse_model_prompt
+from vllm.usage.usage_lib import UsageContext
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from vllm_omni.config.schema import StageConfig
+from vllm_omni.outputs import OmniRequestOutput
+
+
+def is_engine_input(prompt: object) -> bool:
+    """True for a prompt already rendered by vLLM's renderer (it carries a 'type')."""
+    return isinstance(prompt, dict) and "type" in prompt
+
+
+class ARStage:
+    def __init__(
+        self,
+        config: StageConfig,
+        engine_args: AsyncEngineArgs,
+        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+    ) -> None:
+        self.config = config
+        self.name = config.name
+        self.engine = AsyncLLM.from_engine_args(engine_args, usage_context=usage_context)
+        self.model_config = self.engine.model_config
+        # The model's generation_config defaults, then the stage's own defaults from the YAML.
+        self.default_sampling = {
+            **self.model_config.get_diff_sampling_param(),
+            **config.sampling_params,
+        }
+
+    @property
+    def renderer(self):
+        return self.engine.renderer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    def sampling_params(self, given: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        """SamplingParams for one request: given ones as they are, a dict over the defaults."""
+        if isinstance(given, SamplingParams):
+            return given
+        return SamplingParams.from_optional(**{**self.default_sampling, **(given or {})})
+
+    async def render(self, prompt: PromptType | EngineInput) -> EngineInput:
+        if is_engine_input(prompt):
+            return prompt
+        parsed = parse_model_prompt(self.model_config, prompt)
+        (engine_input,) = await self.renderer.render_cmpl_async([parsed])
+        return engine_input
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: PromptType | EngineInput,
+        sampling_params: SamplingParams,
+    ) -> AsyncIterator[OmniRequestOutput]:
+        engine_input = await self.render(prompt)
+        output_type = self.config.output
+        async for out in self.engine.generate(engine_input, sampling_params, request_id):
+            yield OmniRequestOutput(
+                request_id=request_id,
+                stage=self.name,
+                output_type=output_type,
+                finished=out.finished,
+                prompt=out.prompt,
+                prompt_token_ids=out.prompt_token_ids,
+                completions=out.outputs,
+                num_cached_tokens=out.num_cached_tokens or 0,
+            )
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    @property
+    def errored(self) -> bool:
+        return self.engine.errored
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,184 @@
+"""AsyncOmniLLM: the online entry point and the one orchestrator every caller goes through.
+
+A request runs through the pipeline's stages in topological order. A stage with inputs gets
+its prompt from its input processor, called with the finished outputs of the stages that feed
+it. Outputs of stages marked `final_output` are yielded to the caller as they come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import fields
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import EngineInput, PromptType
+from vllm.usage.usage_lib import UsageContext
+
+from vllm_omni.config import PipelineConfig, StageConfig, resolve_pipeline
+from vllm_omni.engine.ar import ARStage
+from vllm_omni.outputs import OmniRequestOutput
+
+logger = logging.getLogger(__name__)
+
+StageSampling = SamplingParams | dict[str, Any] | None
+InputProcessor = Callable[[dict[str, OmniRequestOutput], Any], Any]
+
+_ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
+
+
+def stage_engine_args(model: str, stage: StageConfig, engine_kwargs: dict[str, Any]) -> AsyncEngineArgs:
+    """Engine args of one stage: the stage's YAML args, then the caller's explicit args.
+
+    The caller's args (CLI flags, OmniLLM kwargs) win, so `--max-model-len` reaches every
+    stage; the stage's own `model` wins over the pipeline's model.
+    """
+    unknown = sorted(set(engine_kwargs) - _ENGINE_ARG_NAMES)
+    if unknown:
+        raise TypeError(f"unknown vLLM engine args: {unknown}")
+    merged = {**stage.engine_args, **engine_kwargs, "model": stage.model or model}
+    if stage.model and "tokenizer" not in stage.engine_args:
+        merged.pop("tokenizer", None)
+    return AsyncEngineArgs(**merged)
+
+
+def load_input_processor(path: str) -> InputProcessor:
+    module, _, func = path.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+class AsyncOmniLLM:
+    """Serve a pipeline of stages; `generate()` is an async iterator per request.
+
+    Args:
+        model: model folder (or name) the pipeline is loaded for.
+        stage_configs_path: a pipeline YAML; default: the built-in pipeline for the model's
+            HF architecture, or the one-stage LLM pipeline.
+        pipeline: an already loaded pipeline config (instead of `stage_configs_path`).
+        **engine_kwargs: vLLM engine args applied to every AR stage (dtype, max_model_len...).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        stage_configs_path: str | None = None,
+        pipeline: PipelineConfig | None = None,
+        usage_context: UsageContext = UsageContext.OPENAI_API_SERVER,
+        **engine_kwargs: Any,
+    ) -> None:
+        self.model = model
+        self.pipeline = pipeline or resolve_pipeline(model, stage_configs_path)
+        self.order = self.pipeline.topological_order()
+        self.stages: dict[str, ARStage] = {}
+        self._input_processors = {
+            s.name: load_input_processor(s.input_processor)
+            for s in self.pipeline.stages
+            if s.input_processor
+        }
+        try:
+            for stage in self.order:
+                logger.info("Starting stage %r (%s) of pipeline %r", stage.name, stage.engine,
+                            self.pipeline.name)
+                args = stage_engine_args(model, stage, engine_kwargs)
+                self.stages[stage.name] = ARStage(stage, args, usage_context)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- stage access -------------------------------------------------------------------
+
+    @property
+    def entry_stage(self) -> ARStage:
+        """The stage that receives the user's prompt (renders chat, counts prompt tokens)."""
+        return self.stages[self.order[0].name]
+
+    @property
+    def text_stage(self) -> ARStage:
+        """The stage whose text is the request's text answer (OpenAI sampling params go here)."""
+        for s in self.order:
+            if s.final_output and s.output == "text":
+                return self.stages[s.name]
+        return self.entry_stage
+
+    def sampling_params_list(
+        self, given: Sequence[StageSampling] | SamplingParams | None
+    ) -> list[SamplingParams]:
+        """One SamplingParams per stage, in the pipeline's declaration order."""
+        names = [s.name for s in self.pipeline.stages]
+        if given is None or isinstance(given, SamplingParams | dict):
+            given = [given] if len(names) == 1 else None
+        if given is None:
+            given = [None] * len(names)
+        if len(given) != len(names):
+            raise ValueError(
+                f"sampling_params_list has {len(given)} entries; pipeline "
+                f"{self.pipeline.name!r} has {len(names)} stages {names}"
+            )
+        return [self.stages[n].sampling_params(sp) for n, sp in zip(names, given, strict=True)]
+
+    # -- requests -----------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType | EngineInput,
+        sampling_params_list: Sequence[StageSampling] | SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[OmniRequestOutput]:
+        """Run one request through the pipeline, yielding final-stage outputs as they come.
+
+        Cancelling the iteration (or closing it) aborts the request in every stage.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        params = dict(
+            zip([s.name for s in self.pipeline.stages],
+                self.sampling_params_list(sampling_params_list), strict=True)
+        )
+        finished: dict[str, OmniRequestOutput] = {}
+        active: str | None = None
+        try:
+            for stage_cfg in self.order:
+                stage = self.stages[stage_cfg.name]
+                if stage_cfg.inputs:
+                    upstream = {name: finished[name] for name in stage_cfg.inputs}
+                    stage_prompt = self._input_processors[stage.name](upstream, prompt)
+                else:
+                    stage_prompt = prompt
+                active = stage.name
+                async for out in stage.generate(
+                    f"{request_id}-{stage.name}", stage_prompt, params[stage.name]
+                ):
+                    out.request_id = request_id
+                    if out.finished:
+                        finished[stage.name] = out
+                    if stage_cfg.final_output:
+                        yield out
+                active = None
+        except (asyncio.CancelledError, GeneratorExit):
+            if active is not None:
+                await self.stages[active].abort(f"{request_id}-{active}")
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request in every stage (a no-op where it is not running)."""
+        for name, stage in self.stages.items():
+            await stage.abort(f"{request_id}-{name}")
+
+    async def check_health(self) -> None:
+        """Raises if any stage's engine is dead."""
+        for stage in self.stages.values():
+            await stage.check_health()
+
+    @property
+    def errored(self) -> bool:
+        return any(s.errored for s in self.stages.values())
+
+    def shutdown(self) -> None:
+        for stage in self.stages.values():
+            stage.shutdown()
+        self.stages.clear()

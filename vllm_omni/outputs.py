@@ -1,0 +1,63 @@
+"""OmniRequestOutput: what every caller (OmniLLM, AsyncOmniLLM, the server) gets back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from PIL.Image import Image
+    from vllm.outputs import CompletionOutput
+
+
+@dataclass
+class AudioOutput:
+    """A mono waveform in [-1, 1] and its sample rate (taken from the model)."""
+
+    waveform: np.ndarray
+    sample_rate: int
+
+
+@dataclass
+class OmniRequestOutput:
+    """One output of one stage for one request, the same shape for every modality.
+
+    Which fields are set follows the stage's `output` type in the pipeline config:
+
+    - ``text`` / ``tokens``: ``completions`` holds vLLM's ``CompletionOutput`` per choice
+      (text, token_ids, finish_reason, logprobs). While streaming (``RequestOutputKind.DELTA``)
+      each output carries only the new text and tokens; otherwise the whole text so far.
+    - ``image``: ``images`` holds PIL images (one per requested image).
+    - ``audio``: ``audio`` holds the waveform chunk (streaming) or the whole waveform.
+    - ``latent`` / ``hidden_states``: ``tensors`` holds named tensors.
+
+    ``finished`` is true on the stage's last output for the request.
+    """
+
+    request_id: str
+    stage: str
+    output_type: str
+    finished: bool
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    completions: list[CompletionOutput] = field(default_factory=list)
+    images: list[Image] = field(default_factory=list)
+    audio: AudioOutput | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str | None:
+        """The first choice's text (None when the stage does not output text)."""
+        return self.completions[0].text if self.completions else None
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        return list(self.completions[0].token_ids) if self.completions else None
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)
