@@ -1,0 +1,91 @@
+"""`vllm-omni ...` and `vllm ... --omni` (vLLM 0.32 hands any `--omni` command line to main)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+from typing import Any
+
+logger = logging.getLogger("vllm_omni")
+
+
+def _serve_parser(sub) -> argparse.ArgumentParser:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+
+    parser = sub.add_parser(
+        "serve",
+        help="Serve a model's pipeline on an OpenAI-compatible API",
+        description="Serve MODEL (a model folder) through its pipeline. Takes vLLM's serve "
+        "flags. With no MODEL, serves the built-in tiny default model, made locally.",
+    )
+    make_arg_parser(parser)
+    parser.add_argument(
+        "--stage-configs-path",
+        default=None,
+        help="Pipeline YAML to use instead of the built-in pipeline for the model.",
+    )
+    return parser
+
+
+def _make_tiny_parser(sub) -> None:
+    from vllm_omni.testing.tiny_models import BUILDERS
+
+    parser = sub.add_parser("make-tiny", help="Build a tiny random-weight model folder")
+    parser.add_argument("name", choices=sorted(BUILDERS))
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def explicit_engine_kwargs(args: argparse.Namespace, defaults: argparse.Namespace) -> dict[str, Any]:
+    """The engine args the user set on the command line (the rest stay per-stage)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    out = {}
+    for f in fields(AsyncEngineArgs):
+        if f.name != "model" and getattr(args, f.name, None) != getattr(defaults, f.name, None):
+            out[f.name] = getattr(args, f.name)
+    return out
+
+
+def serve(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    from vllm_omni.entrypoints.openai.api_server import run_server
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    elif args.model == defaults.model:
+        from vllm_omni.testing.tiny_models import DEFAULT_MODEL, get_or_make
+
+        args.model = str(get_or_make(DEFAULT_MODEL))
+        logger.info("No model given: serving the built-in tiny default %s", args.model)
+    validate_parsed_serve_args(args)
+    run_server(args, explicit_engine_kwargs(args, defaults))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--omni"]
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    parser = FlexibleArgumentParser(prog="vllm-omni", description="vLLM-omni command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser = _serve_parser(sub)
+    _make_tiny_parser(sub)
+    args = parser.parse_args(argv)
+
+    if args.command == "make-tiny":
+        from vllm_omni.testing.tiny_models import make_tiny
+
+        print(make_tiny(args.name, args.out_dir, seed=args.seed, dtype=args.dtype))
+    elif args.command == "serve":
+        cli_env_setup()
+        serve(args, serve_parser.parse_args([]))
+
+
+if __name__ == "__main__":
+    main()

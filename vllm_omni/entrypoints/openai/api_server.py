@@ -1,0 +1,229 @@
+"""The OpenAI-compatible HTTP server of vllm-omni (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from argparse import Namespace
+from collections.abc import AsyncIterator, Awaitable
+from http import HTTPStatus
+from typing import Any
+
+import prometheus_client
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
+from vllm_omni.entrypoints.openai.protocol import (
+    OmniChatCompletionRequest,
+    OmniCompletionRequest,
+    OmniHTTPError,
+    error_response,
+)
+from vllm_omni.entrypoints.openai.serving import OpenAIServing, error_status, new_request_id
+
+logger = logging.getLogger(__name__)
+
+REQUESTS = prometheus_client.Counter(
+    "vllm_omni:http_requests", "Finished API requests", ["endpoint", "status"]
+)
+LATENCY = prometheus_client.Histogram(
+    "vllm_omni:http_request_seconds", "Time from request to last byte", ["endpoint"]
+)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or None
+        msg = f"{field}: {err['msg']}" if field else err["msg"]
+        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, msg, field) from None
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client goes away first, cancel it (which aborts the request in
+    every stage) and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            logger.info("Client disconnected; request aborted")
+            return None
+    return task.result()
+
+
+def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
+    app = FastAPI(title="vllm-omni", docs_url=None if args.disable_fastapi_docs else "/docs")
+    omni = serving.omni
+    if args.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=args.allowed_origins,
+            allow_credentials=args.allow_credentials,
+            allow_methods=args.allowed_methods,
+            allow_headers=args.allowed_headers,
+        )
+
+    api_keys = [k for k in (args.api_key or []) if k]
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_keys and request.url.path.startswith("/v1"):
+            given = request.headers.get("Authorization", "")
+            if not any(secrets.compare_digest(given, f"Bearer {k}") for k in api_keys):
+                return error_response(HTTPStatus.UNAUTHORIZED, "invalid or missing API key")
+        return await call_next(request)
+
+    async def serve(request: Request, endpoint: str, handler) -> Response:
+        start = time.perf_counter()
+        await request.body()  # read it now: the disconnect watcher also reads from the socket
+        try:
+            result = await _cancel_on_disconnect(request, handler())
+        except Exception as e:
+            status, message, param = error_status(e)
+            if status >= 500:
+                logger.exception("Request to %s failed", endpoint)
+            REQUESTS.labels(endpoint, str(int(status))).inc()
+            return error_response(status, message, param)
+        if result is None:  # client went away
+            REQUESTS.labels(endpoint, "499").inc()
+            return Response(status_code=499)
+        if isinstance(result, AsyncIterator):
+            return StreamingResponse(
+                _observed(result, endpoint, start), media_type="text/event-stream"
+            )
+        REQUESTS.labels(endpoint, "200").inc()
+        LATENCY.labels(endpoint).observe(time.perf_counter() - start)
+        return JSONResponse(result.model_dump(exclude_none=True))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        async def handler():
+            body = await _parse(request, OmniChatCompletionRequest)
+            rid = request.headers.get("X-Request-Id") or new_request_id("chatcmpl")
+            return await serving.chat(body, rid)
+
+        return await serve(request, "chat", handler)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        async def handler():
+            body = await _parse(request, OmniCompletionRequest)
+            rid = request.headers.get("X-Request-Id") or new_request_id("cmpl")
+            return await serving.completion(body, rid)
+
+        return await serve(request, "completions", handler)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        max_len = omni.text_stage.max_model_len
+        data = [
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm-omni",
+             "root": omni.model, "max_model_len": max_len}
+            for name in serving.served_model_names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await omni.check_health()
+        except Exception as e:
+            return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"unhealthy: {e}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(HTTPStatus.NOT_FOUND, f"no route {request.method} {request.url.path}")
+
+    @app.exception_handler(405)
+    async def bad_method(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(
+            HTTPStatus.METHOD_NOT_ALLOWED, f"{request.method} not allowed on {request.url.path}"
+        )
+
+    return app
+
+
+async def _observed(stream: AsyncIterator[str], endpoint: str, start: float) -> AsyncIterator[str]:
+    status = "200"
+    try:
+        async for item in stream:
+            yield item
+    except BaseException:
+        status = "499"  # the client went away mid-stream; closing `stream` aborted the request
+        raise
+    finally:
+        REQUESTS.labels(endpoint, status).inc()
+        LATENCY.labels(endpoint).observe(time.perf_counter() - start)
+
+
+def run_server(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
+    """Start the stages, then serve HTTP until interrupted; stages are shut down on exit."""
+    import uvloop
+
+    uvloop.run(serve_http(args, engine_kwargs))
+
+
+async def serve_http(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
+    from vllm.renderers.chat_utils import load_chat_template
+
+    # Built inside the running loop, as vLLM builds its AsyncLLM, so its sockets bind to it.
+    omni = AsyncOmniLLM(args.model, stage_configs_path=args.stage_configs_path, **engine_kwargs)
+    try:
+        names = args.served_model_name or [args.model]
+        serving = OpenAIServing(
+            omni,
+            names,
+            chat_template=load_chat_template(args.chat_template),
+            chat_template_content_format=args.chat_template_content_format,
+            default_chat_template_kwargs=args.default_chat_template_kwargs,
+            response_role=args.response_role,
+        )
+        config = uvicorn.Config(
+            build_app(serving, args),
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            root_path=args.root_path or "",
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs,
+            timeout_keep_alive=5,
+        )
+        logger.info("vllm-omni serving %s (pipeline %r) on http://%s:%d", names[0],
+                    omni.pipeline.name, args.host or "0.0.0.0", args.port)
+        await uvicorn.Server(config).serve()
+    finally:
+        omni.shutdown()

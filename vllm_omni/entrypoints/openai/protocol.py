@@ -1,0 +1,45 @@
+"""Request models: vLLM's OpenAI request models plus vllm-omni's extension fields."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import Field
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+
+class OmniChatCompletionRequest(ChatCompletionRequest):
+    stage_sampling_params: dict[str, dict[str, Any]] | None = Field(
+        default=None,
+        description="Per-stage sampling overrides, keyed by stage name "
+        '(e.g. {"talker": {"temperature": 0.9}}). They apply over the request\'s '
+        "own sampling fields for the text stage and over the stage defaults elsewhere.",
+    )
+
+
+class OmniCompletionRequest(CompletionRequest):
+    stage_sampling_params: dict[str, dict[str, Any]] | None = Field(
+        default=None, description="Per-stage sampling overrides, keyed by stage name."
+    )
+
+
+class OmniHTTPError(Exception):
+    """An error that becomes an OpenAI-style error response."""
+
+    def __init__(self, status: HTTPStatus, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: HTTPStatus, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = status.phrase.replace(" ", "") + ("Error" if status < 500 else "")
+    return {"error": {"message": message, "type": kind, "param": param, "code": int(status)}}
+
+
+def error_response(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=int(status))

@@ -1,0 +1,397 @@
+"""Chat and text completions over AsyncOmniLLM.
+
+Requests are rendered (chat template, tokenization, length checks) by vLLM's own
+OnlineRenderer for the pipeline's entry stage, so a prompt is the same token for token as
+under `vllm serve`. Responses use vLLM's OpenAI response models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+)
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse, UsageInfo
+from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+from vllm.exceptions import VLLMValidationError
+from vllm.inputs import EngineInput
+from vllm.renderers.online_renderer import OnlineRenderer
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
+from vllm_omni.entrypoints.openai.protocol import (
+    OmniChatCompletionRequest,
+    OmniCompletionRequest,
+    OmniHTTPError,
+)
+from vllm_omni.outputs import OmniRequestOutput
+
+Request = OmniChatCompletionRequest | OmniCompletionRequest
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def raise_for_error(result: Any) -> Any:
+    if isinstance(result, ErrorResponse):
+        err = result.error
+        raise OmniHTTPError(HTTPStatus(err.code), err.message, err.param)
+    return result
+
+
+def _reject_unsupported(request: Request) -> None:
+    """Fields whose output this server does not produce yet: a clear 400, not silence."""
+    unsupported = {
+        "logprobs": bool(request.logprobs),
+        "echo": bool(getattr(request, "echo", False)),
+        "suffix": getattr(request, "suffix", None) is not None,
+        "tools": bool(getattr(request, "tools", None)),
+        "use_beam_search": bool(getattr(request, "use_beam_search", False)),
+    }
+    for name, used in unsupported.items():
+        if used:
+            raise OmniHTTPError(
+                HTTPStatus.BAD_REQUEST, f"'{name}' is not supported by vllm-omni yet", name
+            )
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        omni: AsyncOmniLLM,
+        served_model_names: list[str],
+        *,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        default_chat_template_kwargs: dict[str, Any] | None = None,
+        response_role: str = "assistant",
+    ) -> None:
+        self.omni = omni
+        self.served_model_names = served_model_names
+        self.response_role = response_role
+        entry = omni.entry_stage
+        self.renderer = OnlineRenderer(
+            entry.model_config,
+            entry.renderer,
+            request_logger=None,
+            chat_template=chat_template,
+            chat_template_content_format=chat_template_content_format,
+            default_chat_template_kwargs=default_chat_template_kwargs,
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise OmniHTTPError(
+                HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", "model"
+            )
+
+    # -- sampling -----------------------------------------------------------------------
+
+    def sampling_params_list(self, request: Request, prompt_len: int) -> list[SamplingParams]:
+        """The text stage takes the request's OpenAI fields; other stages their defaults.
+        `stage_sampling_params` overrides either, per stage."""
+        overrides = dict(request.stage_sampling_params or {})
+        names = [s.name for s in self.omni.pipeline.stages]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise OmniHTTPError(
+                HTTPStatus.BAD_REQUEST,
+                f"stage_sampling_params names unknown stages {unknown}; stages are {names}",
+                "stage_sampling_params",
+            )
+        text_stage = self.omni.text_stage
+        params: list[SamplingParams | dict[str, Any] | None] = []
+        for name in names:
+            if name != text_stage.name:
+                params.append(overrides.get(name))
+                continue
+            stage_request = request
+            if name in overrides:
+                bad = sorted(set(overrides[name]) - set(type(request).model_fields))
+                if bad:
+                    raise OmniHTTPError(
+                        HTTPStatus.BAD_REQUEST,
+                        f"stage_sampling_params[{name!r}] has unknown fields {bad}",
+                        "stage_sampling_params",
+                    )
+                stage_request = type(request).model_validate(
+                    {**request.model_dump(exclude_unset=True), **overrides[name]}
+                )
+            max_tokens = get_max_tokens(
+                text_stage.max_model_len,
+                getattr(stage_request, "max_completion_tokens", None) or stage_request.max_tokens,
+                prompt_len,
+                text_stage.default_sampling,
+            )
+            params.append(stage_request.to_sampling_params(max_tokens, text_stage.default_sampling))
+        return self.omni.sampling_params_list(params)
+
+    # -- chat ---------------------------------------------------------------------------
+
+    async def chat(self, request: OmniChatCompletionRequest, request_id: str):
+        """A ChatCompletionResponse, or an async iterator of SSE lines when streaming."""
+        self.check_model(request.model)
+        _reject_unsupported(request)
+        _, engine_inputs = raise_for_error(await self.renderer.render_chat(request))
+        (engine_input,) = engine_inputs
+        prompt_len = len(engine_input["prompt_token_ids"])
+        params = self.sampling_params_list(request, prompt_len)
+        outputs = self.omni.generate(engine_input, params, request_id)
+        if request.stream:
+            outputs = await _primed(outputs)
+            return self._chat_stream(request, request_id, outputs, prompt_len)
+        return await self._chat_full(request, request_id, outputs, prompt_len)
+
+    async def _chat_full(self, request, request_id, outputs, prompt_len) -> ChatCompletionResponse:
+        final = await _last_text_output(outputs)
+        choices = [
+            ChatCompletionResponseChoice(
+                index=c.index,
+                message=ChatMessage(role=self.response_role, content=c.text),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in final.completions
+        ]
+        return ChatCompletionResponse(
+            id=request_id,
+            model=request.model or self.model_name,
+            choices=choices,
+            usage=_usage(prompt_len, final.num_generated_tokens, final.num_cached_tokens),
+        )
+
+    async def _chat_stream(
+        self, request, request_id, outputs: AsyncIterator[OmniRequestOutput], prompt_len: int
+    ) -> AsyncIterator[str]:
+        model = request.model or self.model_name
+        created = int(time.time())
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        n = request.n or 1
+
+        def chunk(choices: list, usage: UsageInfo | None = None) -> str:
+            extra = {"usage": usage} if usage is not None else {}
+            return sse(ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=choices, **extra
+            ).model_dump_json(exclude_unset=True))
+
+        yield chunk([
+            ChatCompletionResponseStreamChoice(
+                index=i, delta=DeltaMessage(role=self.response_role, content=""))
+            for i in range(n)
+        ])
+        generated = 0
+        try:
+            async for out in outputs:
+                if out.output_type != "text":
+                    continue
+                generated += out.num_generated_tokens
+                choices = [
+                    ChatCompletionResponseStreamChoice(
+                        index=c.index,
+                        delta=DeltaMessage(content=c.text),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    for c in out.completions
+                    if c.text or c.finish_reason is not None
+                ]
+                if choices:
+                    yield chunk(choices)
+        except Exception as e:  # headers are sent: the error goes into the stream
+            yield sse(_stream_error(e))
+            yield sse("[DONE]")
+            return
+        if include_usage:
+            yield chunk([], _usage(prompt_len, generated, 0))
+        yield sse("[DONE]")
+
+    # -- completions ---------------------------------------------------------------------
+
+    async def completion(self, request: OmniCompletionRequest, request_id: str):
+        self.check_model(request.model)
+        _reject_unsupported(request)
+        if request.prompt is None:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "'prompt' is required", "prompt")
+        engine_inputs: list[EngineInput] = raise_for_error(
+            await self.renderer.render_completion(request)
+        )
+        streams = []
+        prompt_lens = []
+        for i, engine_input in enumerate(engine_inputs):
+            prompt_len = len(engine_input["prompt_token_ids"])
+            params = self.sampling_params_list(request, prompt_len)
+            sub_id = request_id if len(engine_inputs) == 1 else f"{request_id}-{i}"
+            streams.append(self.omni.generate(engine_input, params, sub_id))
+            prompt_lens.append(prompt_len)
+        if request.stream:
+            try:
+                streams = list(await asyncio.gather(*(_primed(s) for s in streams)))
+            except BaseException:
+                await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+                raise
+            return self._completion_stream(request, request_id, streams, sum(prompt_lens))
+        finals = await asyncio.gather(*(_last_text_output(s) for s in streams))
+        n = request.n
+        choices = [
+            CompletionResponseChoice(
+                index=p * n + c.index,
+                text=c.text,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for p, final in enumerate(finals)
+            for c in final.completions
+        ]
+        generated = sum(f.num_generated_tokens for f in finals)
+        return CompletionResponse(
+            id=request_id,
+            model=request.model or self.model_name,
+            choices=choices,
+            usage=_usage(sum(prompt_lens), generated, sum(f.num_cached_tokens for f in finals)),
+        )
+
+    async def _completion_stream(self, request, request_id, streams, prompt_tokens: int):
+        model = request.model or self.model_name
+        created = int(time.time())
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        n = request.n
+        generated = 0
+        try:
+            async for p, out in _merge(streams):
+                if out.output_type != "text":
+                    continue
+                generated += out.num_generated_tokens
+                choices = [
+                    CompletionResponseStreamChoice(
+                        index=p * n + c.index,
+                        text=c.text,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    for c in out.completions
+                    if c.text or c.finish_reason is not None
+                ]
+                if choices:
+                    yield sse(CompletionStreamResponse(
+                        id=request_id, created=created, model=model, choices=choices
+                    ).model_dump_json(exclude_unset=True))
+        except Exception as e:
+            yield sse(_stream_error(e))
+            yield sse("[DONE]")
+            return
+        if include_usage:
+            yield sse(CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[],
+                usage=_usage(prompt_tokens, generated, 0),
+            ).model_dump_json(exclude_unset=True))
+        yield sse("[DONE]")
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _usage(prompt: int, generated: int, cached: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated
+    )
+
+
+async def _last_text_output(outputs: AsyncIterator[OmniRequestOutput]) -> OmniRequestOutput:
+    final = None
+    async for out in outputs:
+        if out.output_type == "text" and out.finished:
+            final = out
+    if final is None:
+        raise OmniHTTPError(HTTPStatus.INTERNAL_SERVER_ERROR, "the pipeline produced no text")
+    return final
+
+
+async def _primed(outputs: AsyncIterator[OmniRequestOutput]) -> AsyncIterator[OmniRequestOutput]:
+    """Wait for the first output, so errors the engine finds in a request become an HTTP
+    error before the stream's 200 is sent; the returned iterator replays it."""
+    first = await anext(outputs)
+
+    async def replay() -> AsyncIterator[OmniRequestOutput]:
+        yield first
+        async for out in outputs:
+            yield out
+
+    return replay()
+
+
+async def _merge(streams: list[AsyncIterator[OmniRequestOutput]]):
+    """Interleave several output streams as items arrive, tagged with their index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[OmniRequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out = await queue.get()
+            if out is done:
+                remaining -= 1
+                if (exc := tasks[i].exception()) is not None:
+                    raise exc
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def error_status(e: BaseException) -> tuple[HTTPStatus, str, str | None]:
+    """The HTTP status an exception raised while serving a request maps to."""
+    if isinstance(e, OmniHTTPError):
+        return e.status, e.message, e.param
+    if isinstance(e, VLLMValidationError):
+        return HTTPStatus.BAD_REQUEST, str(e), getattr(e, "parameter", None)
+    if isinstance(e, ValueError | TypeError):
+        return HTTPStatus.BAD_REQUEST, str(e), None
+    if isinstance(e, EngineDeadError):
+        return HTTPStatus.SERVICE_UNAVAILABLE, "the engine is not running: " + str(e), None
+    return HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}", None
+
+
+def _stream_error(e: BaseException) -> str:
+    import json
+
+    from vllm_omni.entrypoints.openai.protocol import error_body
+
+    return json.dumps(error_body(*error_status(e)))
