@@ -32,7 +32,9 @@ InputProcessor = Callable[[dict[str, OmniRequestOutput], Any], Any]
 _ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
 
 
-def stage_engine_args(model: str, stage: StageConfig, engine_kwargs: dict[str, Any]) -> AsyncEngineArgs:
+def stage_engine_args(
+    model: str, stage: StageConfig, engine_kwargs: dict[str, Any]
+) -> AsyncEngineArgs:
     """Engine args of one stage: the stage's YAML args, then the caller's explicit args.
 
     The caller's args (CLI flags, OmniLLM kwargs) win, so `--max-model-len` reaches every
@@ -83,8 +85,12 @@ class AsyncOmniLLM:
         }
         try:
             for stage in self.order:
-                logger.info("Starting stage %r (%s) of pipeline %r", stage.name, stage.engine,
-                            self.pipeline.name)
+                logger.info(
+                    "Starting stage %r (%s) of pipeline %r",
+                    stage.name,
+                    stage.engine,
+                    self.pipeline.name,
+                )
                 args = stage_engine_args(model, stage, engine_kwargs)
                 self.stages[stage.name] = ARStage(stage, args, usage_context)
         except BaseException:
@@ -136,8 +142,11 @@ class AsyncOmniLLM:
         """
         request_id = request_id or uuid.uuid4().hex
         params = dict(
-            zip([s.name for s in self.pipeline.stages],
-                self.sampling_params_list(sampling_params_list), strict=True)
+            zip(
+                [s.name for s in self.pipeline.stages],
+                self.sampling_params_list(sampling_params_list),
+                strict=True,
+            )
         )
         finished: dict[str, OmniRequestOutput] = {}
         active: str | None = None

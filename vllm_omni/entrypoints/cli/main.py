@@ -39,7 +39,9 @@ def _make_tiny_parser(sub) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
-def explicit_engine_kwargs(args: argparse.Namespace, defaults: argparse.Namespace) -> dict[str, Any]:
+def explicit_engine_kwargs(
+    args: argparse.Namespace, defaults: argparse.Namespace
+) -> dict[str, Any]:
     """The engine args the user set on the command line (the rest stay per-stage)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -71,7 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--omni"]
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
     parser = FlexibleArgumentParser(prog="vllm-omni", description="vLLM-omni command line")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser = _serve_parser(sub)

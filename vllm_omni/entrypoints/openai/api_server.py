@@ -43,7 +43,9 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"request body is not valid JSON: {e}") from None
+        raise OmniHTTPError(
+            HTTPStatus.BAD_REQUEST, f"request body is not valid JSON: {e}"
+        ) from None
     if not isinstance(data, dict):
         raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "request body must be a JSON object")
     try:
@@ -69,11 +71,12 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
+        if not task.done():  # disconnected, or this handler itself was cancelled
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            logger.info("Client disconnected; request aborted")
-            return None
+    if task.cancelled():
+        logger.info("Client disconnected; request aborted")
+        return None
     return task.result()
 
 
@@ -143,8 +146,14 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
     async def models() -> JSONResponse:
         max_len = omni.text_stage.max_model_len
         data = [
-            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm-omni",
-             "root": omni.model, "max_model_len": max_len}
+            {
+                "id": name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "vllm-omni",
+                "root": omni.model,
+                "max_model_len": max_len,
+            }
             for name in serving.served_model_names
         ]
         return JSONResponse({"object": "list", "data": data})
@@ -159,7 +168,9 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+        return Response(
+            prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST
+        )
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> JSONResponse:
@@ -222,8 +233,13 @@ async def serve_http(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
             ssl_cert_reqs=args.ssl_cert_reqs,
             timeout_keep_alive=5,
         )
-        logger.info("vllm-omni serving %s (pipeline %r) on http://%s:%d", names[0],
-                    omni.pipeline.name, args.host or "0.0.0.0", args.port)
+        logger.info(
+            "vllm-omni serving %s (pipeline %r) on http://%s:%d",
+            names[0],
+            omni.pipeline.name,
+            args.host or "0.0.0.0",
+            args.port,
+        )
         await uvicorn.Server(config).serve()
     finally:
         omni.shutdown()

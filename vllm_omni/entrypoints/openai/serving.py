@@ -193,15 +193,20 @@ class OpenAIServing:
 
         def chunk(choices: list, usage: UsageInfo | None = None) -> str:
             extra = {"usage": usage} if usage is not None else {}
-            return sse(ChatCompletionStreamResponse(
-                id=request_id, created=created, model=model, choices=choices, **extra
-            ).model_dump_json(exclude_unset=True))
+            return sse(
+                ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=choices, **extra
+                ).model_dump_json(exclude_unset=True)
+            )
 
-        yield chunk([
-            ChatCompletionResponseStreamChoice(
-                index=i, delta=DeltaMessage(role=self.response_role, content=""))
-            for i in range(n)
-        ])
+        yield chunk(
+            [
+                ChatCompletionResponseStreamChoice(
+                    index=i, delta=DeltaMessage(role=self.response_role, content="")
+                )
+                for i in range(n)
+            ]
+        )
         generated = 0
         try:
             async for out in outputs:
@@ -295,18 +300,25 @@ class OpenAIServing:
                     if c.text or c.finish_reason is not None
                 ]
                 if choices:
-                    yield sse(CompletionStreamResponse(
-                        id=request_id, created=created, model=model, choices=choices
-                    ).model_dump_json(exclude_unset=True))
+                    yield sse(
+                        CompletionStreamResponse(
+                            id=request_id, created=created, model=model, choices=choices
+                        ).model_dump_json(exclude_unset=True)
+                    )
         except Exception as e:
             yield sse(_stream_error(e))
             yield sse("[DONE]")
             return
         if include_usage:
-            yield sse(CompletionStreamResponse(
-                id=request_id, created=created, model=model, choices=[],
-                usage=_usage(prompt_tokens, generated, 0),
-            ).model_dump_json(exclude_unset=True))
+            yield sse(
+                CompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=_usage(prompt_tokens, generated, 0),
+                ).model_dump_json(exclude_unset=True)
+            )
         yield sse("[DONE]")
 
 
