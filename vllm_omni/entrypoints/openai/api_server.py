@@ -38,6 +38,24 @@ LATENCY = prometheus_client.Histogram(
 )
 
 
+class APIKeyMiddleware:
+    """Bearer-token check on /v1 routes, as plain ASGI: BaseHTTPMiddleware would hide client
+    disconnects from streaming responses (and adds a task per request)."""
+
+    def __init__(self, app, keys: list[str]) -> None:
+        self.app = app
+        self.expected = [f"Bearer {k}".encode() for k in keys]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not any(secrets.compare_digest(given, k) for k in self.expected):
+                response = error_response(HTTPStatus.UNAUTHORIZED, "invalid or missing API key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
     body = await request.body()
     try:
@@ -93,14 +111,8 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
         )
 
     api_keys = [k for k in (args.api_key or []) if k]
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_keys and request.url.path.startswith("/v1"):
-            given = request.headers.get("Authorization", "")
-            if not any(secrets.compare_digest(given, f"Bearer {k}") for k in api_keys):
-                return error_response(HTTPStatus.UNAUTHORIZED, "invalid or missing API key")
-        return await call_next(request)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=api_keys)
 
     async def serve(request: Request, endpoint: str, handler) -> Response:
         start = time.perf_counter()

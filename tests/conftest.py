@@ -1,0 +1,118 @@
+"""Shared fixtures. Engines are expensive to start (20-40 s on CPU), so each kind is started
+once per session and shared."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# Small KV cache for tiny models; spawn, as `vllm serve` uses, for engine processes.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MAX_MODEL_LEN = 2048
+SERVER_MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    from vllm_omni.testing.tiny_models import make_tiny
+
+    return str(make_tiny("qwen2-tiny", tmp_path_factory.mktemp("models") / "qwen2-tiny"))
+
+
+@pytest.fixture(scope="session")
+def vllm_llm(tiny_qwen2):
+    """vLLM's own offline LLM on the tiny model: the reference."""
+    from vllm import LLM
+
+    llm = LLM(tiny_qwen2, max_model_len=MAX_MODEL_LEN, disable_log_stats=True)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def omni_llm(tiny_qwen2):
+    from vllm_omni import OmniLLM
+
+    llm = OmniLLM(tiny_qwen2, max_model_len=MAX_MODEL_LEN)
+    yield llm
+    llm.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A real `vllm serve MODEL --omni` process on a free port."""
+
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 240) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        vllm_cli = str(Path(sys.executable).parent / "vllm")
+        self.proc = subprocess.Popen(
+            [vllm_cli, "serve", *args, "--omni", "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=open(log_path, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"server not ready:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+
+
+API_KEY = "test-key"
+SERVED_NAME = "tiny-chat"
+
+
+@pytest.fixture(scope="session")
+def server(tiny_qwen2, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = ServerProcess(
+        [
+            tiny_qwen2,
+            "--served-model-name",
+            SERVED_NAME,
+            "--max-model-len",
+            str(SERVER_MAX_MODEL_LEN),
+            "--api-key",
+            API_KEY,
+        ],
+        log,
+    )
+    yield srv
+    srv.stop()
