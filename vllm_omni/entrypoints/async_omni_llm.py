@@ -130,6 +130,11 @@ class AsyncOmniLLM:
 
     # -- requests -----------------------------------------------------------------------
 
+    async def render(self, prompts: list[PromptType | EngineInput]) -> list[EngineInput]:
+        """Render prompts for the entry stage in one batch; generate() renders any prompt it
+        gets unrendered, one at a time."""
+        return await self.entry_stage.render(prompts)
+
     async def generate(
         self,
         prompt: PromptType | EngineInput,
@@ -150,6 +155,8 @@ class AsyncOmniLLM:
         )
         finished: dict[str, OmniRequestOutput] = {}
         active: str | None = None
+        # Input processors see the entry stage's rendered prompt (text and token ids).
+        (prompt,) = await self.render([prompt])
         try:
             for stage_cfg in self.order:
                 stage = self.stages[stage_cfg.name]

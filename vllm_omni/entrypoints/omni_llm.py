@@ -105,6 +105,8 @@ class OmniLLM:
             return finals
 
         try:
+            # Render all prompts first, so the engine gets them in one burst, as vLLM's LLM.
+            prompts = await self.engine.render(list(prompts))
             # A TaskGroup cancels (and so aborts) the other requests if one fails.
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(one(p, i)) for p, i in zip(prompts, ids, strict=True)]

@@ -52,12 +52,17 @@ class ARStage:
             return given
         return SamplingParams.from_optional(**{**self.default_sampling, **(given or {})})
 
-    async def render(self, prompt: PromptType | EngineInput) -> EngineInput:
-        if is_engine_input(prompt):
-            return prompt
-        parsed = parse_model_prompt(self.model_config, prompt)
-        (engine_input,) = await self.renderer.render_cmpl_async([parsed])
-        return engine_input
+    async def render(self, prompts: list[PromptType | EngineInput]) -> list[EngineInput]:
+        """Tokenize (and process multimodal data of) prompts in one batch, as vLLM's LLM does."""
+        todo = [i for i, p in enumerate(prompts) if not is_engine_input(p)]
+        if not todo:
+            return list(prompts)
+        parsed = [parse_model_prompt(self.model_config, prompts[i]) for i in todo]
+        rendered = await self.renderer.render_cmpl_async(parsed)
+        out = list(prompts)
+        for i, engine_input in zip(todo, rendered, strict=True):
+            out[i] = engine_input
+        return out
 
     async def generate(
         self,
@@ -65,7 +70,7 @@ class ARStage:
         prompt: PromptType | EngineInput,
         sampling_params: SamplingParams,
     ) -> AsyncIterator[OmniRequestOutput]:
-        engine_input = await self.render(prompt)
+        (engine_input,) = await self.render([prompt])
         output_type = self.config.output
         async for out in self.engine.generate(engine_input, sampling_params, request_id):
             yield OmniRequestOutput(
