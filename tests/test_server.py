@@ -162,26 +162,40 @@ def test_health_and_metrics(server, client):
     assert "vllm:generation_tokens_total" in text  # vLLM's own engine metrics are exported too
 
 
-def test_client_disconnect_aborts_the_request(server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_the_request(server, stream):
     generated_before = metric(server, "vllm:generation_tokens_total")
     finished_before = metric(server, "vllm:request_success_total")
+    gone_before = metric(server, "vllm_omni:http_requests_total", endpoint="chat", status="499")
     body = {
         "model": SERVED_NAME,
         "messages": MESSAGES,
-        "stream": True,
+        "stream": stream,
         "max_tokens": 900,
         "ignore_eos": True,
     }
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.stream(
-        "POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60
-    ) as resp:
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        for _ in range(3):
-            next(lines)
+    if stream:
+        with httpx.stream(
+            "POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60
+        ) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            for _ in range(3):
+                next(lines)
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+            httpx.post(
+                server.url + "/v1/chat/completions",
+                json=body,
+                headers=headers,
+                timeout=httpx.Timeout(60, read=0.3),
+            )
     deadline = time.monotonic() + 30
-    while metric(server, "vllm_omni:http_requests_total", endpoint="chat", status="499") < 1:
+    while (
+        metric(server, "vllm_omni:http_requests_total", endpoint="chat", status="499")
+        <= gone_before
+    ):
         assert time.monotonic() < deadline, "the server never saw the disconnect"
         time.sleep(0.2)
     while metric(server, "vllm:num_requests_running") > 0:

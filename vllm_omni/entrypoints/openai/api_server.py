@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -252,6 +253,24 @@ async def serve_http(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
             args.host or "0.0.0.0",
             args.port,
         )
-        await uvicorn.Server(config).serve()
+        await _Server(config, on_exit=omni.shutdown).serve()
     finally:
         omni.shutdown()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT once serving ends, which would kill this process
+    before its stages' engine processes are stopped (leaving them orphaned). Stop the stages
+    first, while uvicorn's handlers are still installed."""
+
+    def __init__(self, config: uvicorn.Config, on_exit) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._on_exit()
