@@ -3,18 +3,21 @@
     python benchmarks/bench_llm.py offline   # OmniLLM.generate vs vLLM LLM.generate
     python benchmarks/bench_llm.py online    # `vllm serve M --omni` vs `vllm serve M`
 
-Both sides run on this machine at the same time (their engines idle while the other works)
-and are measured in alternating rounds, so background load hits both alike; the summary
-reports medians and ours/vLLM ratios.
+Both sides are started once and measured in alternating rounds, so background load hits
+both alike; while one side is measured the other side's engine processes are frozen
+(SIGSTOP), since an idle vLLM worker still polls and would take CPU from the measured side on
+a 2-core machine. The summary reports medians over rounds and ours/vLLM ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,6 +40,24 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+@contextlib.contextmanager
+def frozen(pids: list[int]):
+    """SIGSTOP these processes for the duration (the side not being measured)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def descendants(pid: int) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+
+
 # -- offline ------------------------------------------------------------------------------
 
 
@@ -48,21 +69,26 @@ def run_offline(args: argparse.Namespace) -> dict:
     texts = prompts(args.num_prompts, args.prompt_words)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     common = dict(max_model_len=1024, dtype=args.dtype)
+    before = set(descendants(os.getpid()))
     ours = OmniLLM(args.model, **common)
+    ours_pids = sorted(set(descendants(os.getpid())) - before)
     theirs = LLM(args.model, disable_log_stats=True, **common)
+    theirs_pids = sorted(set(descendants(os.getpid())) - before - set(ours_pids))
     sides = {
         "vllm-omni": lambda: ours.generate(texts, params, use_tqdm=False),
         "vllm": lambda: theirs.generate(texts, params, use_tqdm=False),
     }
+    idle = {"vllm-omni": theirs_pids, "vllm": ours_pids}
     for run in sides.values():  # warm-up
         run()
     tps: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(args.rounds):
         order = list(sides) if r % 2 == 0 else list(reversed(sides))
         for name in order:
-            start = time.perf_counter()
-            outs = sides[name]()
-            elapsed = time.perf_counter() - start
+            with frozen(idle[name]):
+                start = time.perf_counter()
+                outs = sides[name]()
+                elapsed = time.perf_counter() - start
             n_tokens = sum(
                 len(o.token_ids) if hasattr(o, "stage") else len(o.outputs[0].token_ids)
                 for o in outs
@@ -194,11 +220,15 @@ def run_online(args: argparse.Namespace) -> dict:
                 order = list(servers) if r % 2 == 0 else list(reversed(servers))
                 for name in order:
                     url = f"http://127.0.0.1:{servers[name][0]}"
-                    per_side[name].append(asyncio.run(load(url, texts, conc, args.max_tokens)))
+                    other = next(p for n, p in procs.items() if n != name)
+                    with frozen([other.pid, *descendants(other.pid)]):
+                        result_round = asyncio.run(load(url, texts, conc, args.max_tokens))
+                    per_side[name].append(result_round)
             summary = {
                 name: {
                     "ttft_ms": median([x["ttft_ms"] for x in runs]),
                     "output_tok_per_s": median([x["output_tok_per_s"] for x in runs]),
+                    "rounds": runs,
                 }
                 for name, runs in per_side.items()
             }
@@ -223,12 +253,12 @@ def main() -> None:
     parser.add_argument("mode", choices=["offline", "online"])
     parser.add_argument("--model", default=None, help="model folder (default: qwen2-small)")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--requests-per-user", type=int, default=2)
+    parser.add_argument("--requests-per-user", type=int, default=4)
     parser.add_argument("--port", type=int, default=8300)
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args()

@@ -12,6 +12,7 @@ import importlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
@@ -22,6 +23,7 @@ from vllm.usage.usage_lib import UsageContext
 
 from vllm_omni.config import PipelineConfig, StageConfig, resolve_pipeline
 from vllm_omni.engine.ar import ARStage
+from vllm_omni.errors import StageError, StageStartError
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,16 @@ StageSampling = SamplingParams | dict[str, Any] | None
 InputProcessor = Callable[[dict[str, OmniRequestOutput], Any], Any]
 
 _ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
+
+# The `modalities` a request can ask for, by stage output type.
+MODALITY_OF = {
+    "text": "text",
+    "tokens": "text",
+    "hidden_states": "hidden_states",
+    "image": "image",
+    "audio": "audio",
+    "latent": "latent",
+}
 
 
 def stage_engine_args(
@@ -83,19 +95,40 @@ class AsyncOmniLLM:
             for s in self.pipeline.stages
             if s.input_processor
         }
-        try:
-            for stage in self.order:
-                logger.info(
-                    "Starting stage %r (%s) of pipeline %r",
-                    stage.name,
-                    stage.engine,
-                    self.pipeline.name,
-                )
-                args = stage_engine_args(model, stage, engine_kwargs)
-                self.stages[stage.name] = ARStage(stage, args, usage_context)
-        except BaseException:
+        self._start_stages(engine_kwargs, usage_context)
+
+    def _start_stages(self, engine_kwargs: dict[str, Any], usage_context: UsageContext) -> None:
+        """Start every stage's engine at once; fail with every stage's error, named."""
+
+        def start(stage: StageConfig) -> ARStage:
+            logger.info(
+                "Starting stage %r (%s) of pipeline %r",
+                stage.name,
+                stage.engine,
+                self.pipeline.name,
+            )
+            return ARStage(
+                stage, stage_engine_args(self.model, stage, engine_kwargs), usage_context
+            )
+
+        failures: dict[str, BaseException] = {}
+        if len(self.order) == 1:  # in this thread, so the engine binds to the running loop
+            try:
+                self.stages[self.order[0].name] = start(self.order[0])
+            except Exception as e:
+                failures[self.order[0].name] = e
+        else:
+            with ThreadPoolExecutor(len(self.order), thread_name_prefix="stage-start") as pool:
+                futures = {s.name: pool.submit(start, s) for s in self.order}
+            for name, future in futures.items():
+                try:
+                    self.stages[name] = future.result()
+                except Exception as e:
+                    failures[name] = e
+        if failures:
             self.shutdown()
-            raise
+            raise StageStartError(failures) from next(iter(failures.values()))
+        logger.info("Pipeline %r ready: stages %s", self.pipeline.name, list(self.stages))
 
     # -- stage access -------------------------------------------------------------------
 
@@ -135,45 +168,72 @@ class AsyncOmniLLM:
         gets unrendered, one at a time."""
         return await self.entry_stage.render(prompts)
 
+    def plan(self, modalities: Sequence[str] | None = None) -> tuple[list[StageConfig], set[str]]:
+        """The stages a request runs (in order) and the stages whose outputs it returns.
+
+        `modalities` (e.g. ["text"]) keeps the final stages with those output types and the
+        stages that feed them; stages that only serve other outputs are skipped.
+        """
+        finals = [s for s in self.order if s.final_output]
+        if modalities is not None:
+            offered = {MODALITY_OF[s.output] for s in finals}
+            missing = sorted(set(modalities) - offered)
+            if missing:
+                raise ValueError(
+                    f"pipeline {self.pipeline.name!r} cannot output {missing}; "
+                    f"it outputs {sorted(offered)}"
+                )
+            finals = [s for s in finals if MODALITY_OF[s.output] in modalities]
+        needed: set[str] = set()
+        todo = [s.name for s in finals]
+        while todo:
+            name = todo.pop()
+            if name not in needed:
+                needed.add(name)
+                todo += self.pipeline.stage(name).inputs
+        return [s for s in self.order if s.name in needed], {s.name for s in finals}
+
     async def generate(
         self,
         prompt: PromptType | EngineInput,
         sampling_params_list: Sequence[StageSampling] | SamplingParams | None = None,
         request_id: str | None = None,
+        modalities: Sequence[str] | None = None,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Run one request through the pipeline, yielding final-stage outputs as they come.
 
-        Cancelling the iteration (or closing it) aborts the request in every stage.
+        A stage's failure is raised as StageError naming the stage. Cancelling the
+        iteration (or closing it) aborts the request in every stage.
         """
         request_id = request_id or uuid.uuid4().hex
-        params = dict(
-            zip(
-                [s.name for s in self.pipeline.stages],
-                self.sampling_params_list(sampling_params_list),
-                strict=True,
-            )
-        )
+        stages, returned = self.plan(modalities)
+        names = [s.name for s in self.pipeline.stages]
+        params = dict(zip(names, self.sampling_params_list(sampling_params_list), strict=True))
         finished: dict[str, OmniRequestOutput] = {}
         active: str | None = None
         # Input processors see the entry stage's rendered prompt (text and token ids).
         (prompt,) = await self.render([prompt])
         try:
-            for stage_cfg in self.order:
+            for stage_cfg in stages:
                 stage = self.stages[stage_cfg.name]
-                if stage_cfg.inputs:
-                    upstream = {name: finished[name] for name in stage_cfg.inputs}
-                    stage_prompt = self._input_processors[stage.name](upstream, prompt)
-                else:
-                    stage_prompt = prompt
                 active = stage.name
-                async for out in stage.generate(
-                    f"{request_id}-{stage.name}", stage_prompt, params[stage.name]
-                ):
-                    out.request_id = request_id
-                    if out.finished:
-                        finished[stage.name] = out
-                    if stage_cfg.final_output:
-                        yield out
+                try:
+                    stage_prompt = prompt
+                    if stage_cfg.inputs:
+                        upstream = {name: finished[name] for name in stage_cfg.inputs}
+                        stage_prompt = self._input_processors[stage.name](upstream, prompt)
+                    async for out in stage.generate(
+                        f"{request_id}-{stage.name}", stage_prompt, params[stage.name]
+                    ):
+                        out.request_id = request_id
+                        if out.finished:
+                            finished[stage.name] = out
+                        if stage.name in returned:
+                            yield out
+                except (asyncio.CancelledError, GeneratorExit):
+                    raise
+                except Exception as e:
+                    raise StageError(stage.name, e) from e
                 active = None
         except (asyncio.CancelledError, GeneratorExit):
             if active is not None:

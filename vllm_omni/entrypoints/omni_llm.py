@@ -110,6 +110,8 @@ class OmniLLM:
             # A TaskGroup cancels (and so aborts) the other requests if one fails.
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(one(p, i)) for p, i in zip(prompts, ids, strict=True)]
+        except ExceptionGroup as group_error:
+            raise group_error.exceptions[0] from None  # the first failure, as a caller expects
         finally:
             bar.close()
         return [out for task in tasks for out in task.result()]

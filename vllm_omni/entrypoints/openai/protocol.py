@@ -18,6 +18,11 @@ class OmniChatCompletionRequest(ChatCompletionRequest):
         '(e.g. {"talker": {"temperature": 0.9}}). They apply over the request\'s '
         "own sampling fields for the text stage and over the stage defaults elsewhere.",
     )
+    modalities: list[str] | None = Field(
+        default=None,
+        description='Outputs to compute, as in OpenAI\'s API (e.g. ["text"]); stages that '
+        "only serve other outputs are skipped. Default: every final output of the pipeline.",
+    )
 
 
 class OmniCompletionRequest(CompletionRequest):

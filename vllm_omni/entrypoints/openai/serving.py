@@ -42,6 +42,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     OmniCompletionRequest,
     OmniHTTPError,
 )
+from vllm_omni.errors import StageError
 from vllm_omni.outputs import OmniRequestOutput
 
 Request = OmniChatCompletionRequest | OmniCompletionRequest
@@ -159,7 +160,7 @@ class OpenAIServing:
         (engine_input,) = engine_inputs
         prompt_len = len(engine_input["prompt_token_ids"])
         params = self.sampling_params_list(request, prompt_len)
-        outputs = self.omni.generate(engine_input, params, request_id)
+        outputs = self.omni.generate(engine_input, params, request_id, request.modalities)
         if request.stream:
             outputs = await _primed(outputs)
             return self._chat_stream(request, request_id, outputs, prompt_len)
@@ -392,6 +393,9 @@ def error_status(e: BaseException) -> tuple[HTTPStatus, str, str | None]:
     """The HTTP status an exception raised while serving a request maps to."""
     if isinstance(e, OmniHTTPError):
         return e.status, e.message, e.param
+    if isinstance(e, StageError):
+        status, message, param = error_status(e.cause)
+        return status, f"stage {e.stage!r}: {message}", param
     if isinstance(e, VLLMValidationError):
         return HTTPStatus.BAD_REQUEST, str(e), getattr(e, "parameter", None)
     if isinstance(e, ValueError | TypeError):
