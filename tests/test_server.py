@@ -205,3 +205,18 @@ def test_client_disconnect_aborts_the_request(server, stream):
     # Stopped early: far fewer than the 900 tokens asked for, and never finished as done.
     assert metric(server, "vllm:generation_tokens_total") - generated_before < 450
     assert metric(server, "vllm:request_success_total") == finished_before
+
+
+def test_modalities(client):
+    resp = client.chat.completions.create(
+        model=SERVED_NAME, messages=MESSAGES, max_tokens=3, modalities=["text"]
+    )
+    assert resp.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError, match=r"cannot output \['audio'\]"):
+        client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=MESSAGES,
+            max_tokens=3,
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+        )
