@@ -31,7 +31,9 @@ class OmniRequestOutput:
       each output carries only the new text and tokens; otherwise the whole text so far.
     - ``image``: ``images`` holds PIL images (one per requested image).
     - ``audio``: ``audio`` holds the waveform chunk (streaming) or the whole waveform.
-    - ``latent`` / ``hidden_states``: ``tensors`` holds named tensors.
+    - ``latent`` / ``hidden_states``: ``tensors`` holds named tensors (for hidden states:
+      ``hidden_states``, one row per prompt token then one per decode step, as HF's last
+      ``hidden_states``), alongside ``completions``.
 
     ``finished`` is true on the stage's last output for the request.
     """
@@ -48,6 +50,16 @@ class OmniRequestOutput:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     num_cached_tokens: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
+    # Tensors still in a connector (shared memory): what travels between stages. The
+    # orchestrator resolves them into `tensors` only for outputs returned to the caller.
+    tensor_handles: dict[str, Any] = field(default_factory=dict)
+
+    def resolve_tensors(self) -> None:
+        from vllm_omni.orchestrator.connectors import SharedMemoryConnector
+
+        for handle in self.tensor_handles.values():
+            self.tensors.update(SharedMemoryConnector().get(handle))
+        self.tensor_handles = {}
 
     @property
     def text(self) -> str | None:

@@ -56,6 +56,15 @@ def stage_engine_args(
     if unknown:
         raise TypeError(f"unknown vLLM engine args: {unknown}")
     merged = {**stage.engine_args, **engine_kwargs, "model": stage.model or model}
+    if stage.output == "hidden_states" and "worker_cls" not in stage.engine_args:
+        from vllm_omni.engine.ar.hidden_states import worker_class_path
+
+        merged["worker_cls"] = worker_class_path()
+        # A prefix-cache hit skips the forward pass over the cached prompt tokens, and so
+        # their rows: every row must be computed.
+        merged.setdefault("enable_prefix_caching", False)
+        # The compiled graph runs without Python module hooks: capture needs eager mode.
+        merged.setdefault("enforce_eager", True)
     if stage.model and "tokenizer" not in stage.engine_args:
         merged.pop("tokenizer", None)
     return AsyncEngineArgs(**merged)
@@ -229,6 +238,7 @@ class AsyncOmniLLM:
                         if out.finished:
                             finished[stage.name] = out
                         if stage.name in returned:
+                            out.resolve_tensors()
                             yield out
                 except (asyncio.CancelledError, GeneratorExit):
                     raise

@@ -13,6 +13,7 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from vllm_omni.config.schema import StageConfig
+from vllm_omni.engine.ar.hidden_states import REQUEST_KEY, handle_from_rpc
 from vllm_omni.outputs import OmniRequestOutput
 
 
@@ -72,17 +73,37 @@ class ARStage:
     ) -> AsyncIterator[OmniRequestOutput]:
         (engine_input,) = await self.render([prompt])
         output_type = self.config.output
-        async for out in self.engine.generate(engine_input, sampling_params, request_id):
-            yield OmniRequestOutput(
-                request_id=request_id,
-                stage=self.name,
-                output_type=output_type,
-                finished=out.finished,
-                prompt=out.prompt,
-                prompt_token_ids=out.prompt_token_ids,
-                completions=out.outputs,
-                num_cached_tokens=out.num_cached_tokens or 0,
-            )
+        wants_hidden = output_type == "hidden_states"
+        if wants_hidden:
+            sampling_params = sampling_params.clone()
+            sampling_params.extra_args = {
+                **(sampling_params.extra_args or {}),
+                REQUEST_KEY: request_id,
+            }
+        try:
+            async for out in self.engine.generate(engine_input, sampling_params, request_id):
+                result = OmniRequestOutput(
+                    request_id=request_id,
+                    stage=self.name,
+                    output_type=output_type,
+                    finished=out.finished,
+                    prompt=out.prompt,
+                    prompt_token_ids=out.prompt_token_ids,
+                    completions=out.outputs,
+                    num_cached_tokens=out.num_cached_tokens or 0,
+                )
+                if wants_hidden and out.finished:
+                    result.tensor_handles = await self._take_hidden_states(request_id)
+                yield result
+        except BaseException:
+            if wants_hidden:
+                await self.engine.collective_rpc("drop_hidden_states", args=(request_id,))
+            raise
+
+    async def _take_hidden_states(self, key: str) -> dict[str, Any]:
+        replies = await self.engine.collective_rpc("take_hidden_states", args=(key,))
+        found = [r for r in replies if r is not None]
+        return {"hidden_states": handle_from_rpc(found[0])} if found else {}
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
