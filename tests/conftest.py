@@ -56,7 +56,13 @@ def free_port() -> int:
 class ServerProcess:
     """A real `vllm serve MODEL --omni` process on a free port."""
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 240) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        timeout: float = 240,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -66,6 +72,7 @@ class ServerProcess:
             stdout=open(log_path, "w"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         self._wait_ready(timeout)
 

@@ -15,11 +15,27 @@ from conftest import ServerProcess, live_processes_in_group
 
 
 @pytest.fixture(scope="module")
-def doomed_server(tiny_qwen2, tmp_path_factory):
-    log = tmp_path_factory.mktemp("doomed") / "server.log"
-    srv = ServerProcess([tiny_qwen2, "--max-model-len", "2048"], log)
+def doomed_server(tmp_path_factory):
+    """`vllm serve --omni` with no model: the built-in default, made on first use."""
+    folder = tmp_path_factory.mktemp("doomed")
+    srv = ServerProcess(
+        ["--max-model-len", "2048"],
+        folder / "server.log",
+        env={"VLLM_OMNI_CACHE_DIR": str(folder / "cache")},
+    )
     yield srv
     srv.stop()
+
+
+def test_default_model_is_built_locally_and_served(doomed_server):
+    models = httpx.get(doomed_server.url + "/v1/models").json()["data"]
+    assert "qwen2-tiny" in models[0]["id"] and "/cache/models/" in models[0]["id"]
+    reply = httpx.post(
+        doomed_server.url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    ).json()
+    assert reply["usage"]["completion_tokens"] >= 1
 
 
 def test_dead_engine_fails_in_flight_requests_and_health(doomed_server):

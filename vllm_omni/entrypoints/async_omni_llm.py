@@ -13,16 +13,15 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
 from typing import Any
 
 from vllm import SamplingParams
-from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import EngineInput, PromptType
 from vllm.usage.usage_lib import UsageContext
 
 from vllm_omni.config import PipelineConfig, StageConfig, resolve_pipeline
 from vllm_omni.engine.ar import ARStage
+from vllm_omni.engine.ar.stage import stage_engine_args
 from vllm_omni.errors import StageError, StageStartError
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -30,8 +29,6 @@ logger = logging.getLogger(__name__)
 
 StageSampling = SamplingParams | dict[str, Any] | None
 InputProcessor = Callable[[dict[str, OmniRequestOutput], Any], Any]
-
-_ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
 
 # The `modalities` a request can ask for, by stage output type.
 MODALITY_OF = {
@@ -42,32 +39,6 @@ MODALITY_OF = {
     "audio": "audio",
     "latent": "latent",
 }
-
-
-def stage_engine_args(
-    model: str, stage: StageConfig, engine_kwargs: dict[str, Any]
-) -> AsyncEngineArgs:
-    """Engine args of one stage: the stage's YAML args, then the caller's explicit args.
-
-    The caller's args (CLI flags, OmniLLM kwargs) win, so `--max-model-len` reaches every
-    stage; the stage's own `model` wins over the pipeline's model.
-    """
-    unknown = sorted(set(engine_kwargs) - _ENGINE_ARG_NAMES)
-    if unknown:
-        raise TypeError(f"unknown vLLM engine args: {unknown}")
-    merged = {**stage.engine_args, **engine_kwargs, "model": stage.model or model}
-    if stage.output == "hidden_states" and "worker_cls" not in stage.engine_args:
-        from vllm_omni.engine.ar.hidden_states import worker_class_path
-
-        merged["worker_cls"] = worker_class_path()
-        # A prefix-cache hit skips the forward pass over the cached prompt tokens, and so
-        # their rows: every row must be computed.
-        merged.setdefault("enable_prefix_caching", False)
-        # The compiled graph runs without Python module hooks: capture needs eager mode.
-        merged.setdefault("enforce_eager", True)
-    if stage.model and "tokenizer" not in stage.engine_args:
-        merged.pop("tokenizer", None)
-    return AsyncEngineArgs(**merged)
 
 
 def load_input_processor(path: str) -> InputProcessor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import fields
 from typing import Any
 
 from vllm import SamplingParams
@@ -13,8 +14,34 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from vllm_omni.config.schema import StageConfig
-from vllm_omni.engine.ar.hidden_states import REQUEST_KEY, handle_from_rpc
+from vllm_omni.engine.ar.hidden_states import REQUEST_KEY, handle_from_rpc, worker_class_path
 from vllm_omni.outputs import OmniRequestOutput
+
+_ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
+
+
+def stage_engine_args(
+    model: str, stage: StageConfig, engine_kwargs: dict[str, Any]
+) -> AsyncEngineArgs:
+    """Engine args of one stage: the stage's YAML args, then the caller's explicit args.
+
+    The caller's args (CLI flags, OmniLLM kwargs) win, so `--max-model-len` reaches every
+    stage; the stage's own `model` wins over the pipeline's model.
+    """
+    unknown = sorted(set(engine_kwargs) - _ENGINE_ARG_NAMES)
+    if unknown:
+        raise TypeError(f"unknown vLLM engine args: {unknown}")
+    merged = {**stage.engine_args, **engine_kwargs, "model": stage.model or model}
+    if stage.output == "hidden_states" and "worker_cls" not in stage.engine_args:
+        merged["worker_cls"] = worker_class_path()
+        # A prefix-cache hit skips the forward pass over the cached prompt tokens, and so
+        # their rows: every row must be computed.
+        merged.setdefault("enable_prefix_caching", False)
+        # The compiled graph runs without Python module hooks: capture needs eager mode.
+        merged.setdefault("enforce_eager", True)
+    if stage.model and "tokenizer" not in stage.engine_args:
+        merged.pop("tokenizer", None)
+    return AsyncEngineArgs(**merged)
 
 
 def is_engine_input(prompt: object) -> bool:

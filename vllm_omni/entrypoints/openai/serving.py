@@ -181,7 +181,7 @@ class OpenAIServing:
             id=request_id,
             model=request.model or self.model_name,
             choices=choices,
-            usage=_usage(prompt_len, final.num_generated_tokens, final.num_cached_tokens),
+            usage=_usage(prompt_len, final.num_generated_tokens),
         )
 
     async def _chat_stream(
@@ -231,7 +231,7 @@ class OpenAIServing:
             yield sse("[DONE]")
             return
         if include_usage:
-            yield chunk([], _usage(prompt_len, generated, 0))
+            yield chunk([], _usage(prompt_len, generated))
         yield sse("[DONE]")
 
     # -- completions ---------------------------------------------------------------------
@@ -276,7 +276,7 @@ class OpenAIServing:
             id=request_id,
             model=request.model or self.model_name,
             choices=choices,
-            usage=_usage(sum(prompt_lens), generated, sum(f.num_cached_tokens for f in finals)),
+            usage=_usage(sum(prompt_lens), generated),
         )
 
     async def _completion_stream(self, request, request_id, streams, prompt_tokens: int):
@@ -317,7 +317,7 @@ class OpenAIServing:
                     created=created,
                     model=model,
                     choices=[],
-                    usage=_usage(prompt_tokens, generated, 0),
+                    usage=_usage(prompt_tokens, generated),
                 ).model_dump_json(exclude_unset=True)
             )
         yield sse("[DONE]")
@@ -327,7 +327,7 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _usage(prompt: int, generated: int, cached: int) -> UsageInfo:
+def _usage(prompt: int, generated: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated
     )
