@@ -14,6 +14,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 EngineType = Literal["ar"]
 OutputType = Literal["text", "tokens", "hidden_states", "image", "audio", "latent"]
 
+# The `modalities` a request can ask for, by stage output type.
+MODALITY_OF_OUTPUT: dict[str, str] = {
+    "text": "text",
+    "tokens": "text",
+    "hidden_states": "hidden_states",
+    "image": "image",
+    "audio": "audio",
+    "latent": "latent",
+}
+
 # What each engine type can produce; checked so a config cannot promise an output nobody makes.
 ENGINE_OUTPUTS: dict[str, set[str]] = {"ar": {"text", "tokens", "hidden_states"}}
 

@@ -20,6 +20,7 @@ from vllm.inputs import EngineInput, PromptType
 from vllm.usage.usage_lib import UsageContext
 
 from vllm_omni.config import PipelineConfig, StageConfig, resolve_pipeline
+from vllm_omni.config.schema import MODALITY_OF_OUTPUT
 from vllm_omni.engine.ar import ARStage
 from vllm_omni.engine.ar.stage import stage_engine_args
 from vllm_omni.errors import StageError, StageStartError
@@ -29,16 +30,6 @@ logger = logging.getLogger(__name__)
 
 StageSampling = SamplingParams | dict[str, Any] | None
 InputProcessor = Callable[[dict[str, OmniRequestOutput], Any], Any]
-
-# The `modalities` a request can ask for, by stage output type.
-MODALITY_OF = {
-    "text": "text",
-    "tokens": "text",
-    "hidden_states": "hidden_states",
-    "image": "image",
-    "audio": "audio",
-    "latent": "latent",
-}
 
 
 def load_input_processor(path: str) -> InputProcessor:
@@ -156,14 +147,14 @@ class AsyncOmniLLM:
         """
         finals = [s for s in self.order if s.final_output]
         if modalities is not None:
-            offered = {MODALITY_OF[s.output] for s in finals}
+            offered = {MODALITY_OF_OUTPUT[s.output] for s in finals}
             missing = sorted(set(modalities) - offered)
             if missing:
                 raise ValueError(
                     f"pipeline {self.pipeline.name!r} cannot output {missing}; "
                     f"it outputs {sorted(offered)}"
                 )
-            finals = [s for s in finals if MODALITY_OF[s.output] in modalities]
+            finals = [s for s in finals if MODALITY_OF_OUTPUT[s.output] in modalities]
         needed: set[str] = set()
         todo = [s.name for s in finals]
         while todo:

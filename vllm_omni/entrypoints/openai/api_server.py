@@ -115,7 +115,17 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
     if api_keys:
         app.add_middleware(APIKeyMiddleware, keys=api_keys)
 
-    async def serve(request: Request, endpoint: str, handler) -> Response:
+    async def serve(
+        request: Request, endpoint: str, model: type[BaseModel], id_prefix: str, method
+    ) -> Response:
+        """Parse the body as `model`, run `method(body, request_id)`, and answer with its
+        result: JSON, an SSE stream, or an OpenAI-style error."""
+
+        async def handler():
+            body = await _parse(request, model)
+            rid = request.headers.get("X-Request-Id") or new_request_id(id_prefix)
+            return await method(body, rid)
+
         start = time.perf_counter()
         await request.body()  # read it now: the disconnect watcher also reads from the socket
         try:
@@ -139,21 +149,13 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        async def handler():
-            body = await _parse(request, OmniChatCompletionRequest)
-            rid = request.headers.get("X-Request-Id") or new_request_id("chatcmpl")
-            return await serving.chat(body, rid)
-
-        return await serve(request, "chat", handler)
+        return await serve(request, "chat", OmniChatCompletionRequest, "chatcmpl", serving.chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        async def handler():
-            body = await _parse(request, OmniCompletionRequest)
-            rid = request.headers.get("X-Request-Id") or new_request_id("cmpl")
-            return await serving.completion(body, rid)
-
-        return await serve(request, "completions", handler)
+        return await serve(
+            request, "completions", OmniCompletionRequest, "cmpl", serving.completion
+        )
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
