@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_omni.testing.tiny_diffusers import DIFFUSERS_MODELS
 from vllm_omni.testing.tokenizer import CHATML_TEMPLATE, train_tokenizer
 
 CHAT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -76,8 +77,18 @@ def _qwen2_builder(size: Qwen2Size) -> Callable[[Path, int, str], None]:
     return lambda out_dir, seed, dtype: build_qwen2(out_dir, size, seed, dtype)
 
 
+def _diffusers_builder(name: str) -> Callable[[Path, int, str], None]:
+    def build(out_dir: Path, seed: int, dtype: str) -> None:
+        from vllm_omni.testing.tiny_diffusers import build_diffusers
+
+        build_diffusers(name, out_dir, seed, dtype)
+
+    return build
+
+
 BUILDERS: dict[str, Callable[[Path, int, str], None]] = {
-    name: _qwen2_builder(size) for name, size in QWEN2_SIZES.items()
+    **{name: _qwen2_builder(size) for name, size in QWEN2_SIZES.items()},
+    **{name: _diffusers_builder(name) for name in DIFFUSERS_MODELS},
 }
 
 
@@ -112,7 +123,8 @@ def get_or_make(name: str, seed: int = 0, dtype: str = "float32") -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "config.json").exists():
+        # HF models have config.json, diffusers pipelines model_index.json.
+        if not any((out / f).exists() for f in ("config.json", "model_index.json")):
             make_tiny(name, out, seed=seed, dtype=dtype)
     return out
 

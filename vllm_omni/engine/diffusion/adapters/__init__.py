@@ -1,0 +1,26 @@
+"""Adapters that let the engine drive a diffusers pipeline; `adapter_for` picks one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_omni.engine.diffusion.adapters.base import StepAdapter
+from vllm_omni.engine.diffusion.adapters.flux import FluxAdapter
+from vllm_omni.engine.diffusion.adapters.qwen_image import QwenImageAdapter
+from vllm_omni.engine.diffusion.adapters.sd3 import SD3Adapter
+from vllm_omni.engine.diffusion.adapters.whole import WholeRequestAdapter
+
+# Exact pipeline classes only: a subclass (img2img, inpaint, ...) has another __call__.
+STEP_ADAPTERS: dict[str, type[StepAdapter]] = {
+    "FluxPipeline": FluxAdapter,
+    "StableDiffusion3Pipeline": SD3Adapter,
+    "QwenImagePipeline": QwenImageAdapter,
+}
+
+
+def adapter_for(pipe: Any) -> StepAdapter | WholeRequestAdapter:
+    cls = STEP_ADAPTERS.get(type(pipe).__name__)
+    return cls(pipe) if cls else WholeRequestAdapter(pipe)
+
+
+__all__ = ["STEP_ADAPTERS", "StepAdapter", "WholeRequestAdapter", "adapter_for"]

@@ -1,0 +1,207 @@
+"""Step-level adapters: a diffusers pipeline cut into calls the engine's scheduler drives.
+
+A pipeline's `__call__` runs one request (or one uniform batch) from prompt to image. The
+engine needs the pieces apart, so requests can join and leave a running batch between steps:
+
+    encode(requests)   text conditioning for new requests, batched
+    prepare(request)   initial noise from the request's own seed, its own timestep schedule
+    denoise(requests)  ONE batched transformer call (both guidance branches) + each request's
+                       scheduler step
+    decode(requests)   VAE decode, batched
+
+Everything numeric that is not the denoising loop itself (prompt encoding, latent packing,
+noise, timestep shift, VAE scaling) is the pipeline's own methods, so an image equals what
+`pipeline(...)` makes for the same seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+from vllm_omni.engine.diffusion.params import DiffusionParams
+from vllm_omni.engine.diffusion.request import DiffusionRequest
+
+
+class StepAdapter:
+    """Shared machinery; a family subclass says how its pipeline encodes, predicts, decodes.
+
+    Subclasses set `size_multiple` and implement `encode_texts`, `initial_latents`,
+    `predict`, `latents_to_image`; `uses_cfg` / `combine` when their guidance differs.
+    """
+
+    family: str = ""
+    step_level = True
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+        self.device = pipe._execution_device
+        self.dtype = pipe.transformer.dtype
+        call = inspect.signature(type(pipe).__call__).parameters
+        size = pipe.default_sample_size * pipe.vae_scale_factor
+        # The pipeline's own defaults, read from its signature, so they cannot drift.
+        self.defaults: dict[str, Any] = {
+            "height": size,
+            "width": size,
+            "num_inference_steps": call["num_inference_steps"].default,
+            "guidance_scale": call["guidance_scale"].default,
+            "true_cfg_scale": call["true_cfg_scale"].default if "true_cfg_scale" in call else 1.0,
+            "seed": None,
+        }
+        self.max_sequence_length = call["max_sequence_length"].default
+
+    # -- per family --------------------------------------------------------------------
+
+    size_multiple: int = 16
+
+    def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
+        """Conditioning for each text, each tensor with a batch dim of 1."""
+        raise NotImplementedError
+
+    def initial_latents(self, req: DiffusionRequest, generator: torch.Generator) -> torch.Tensor:
+        raise NotImplementedError
+
+    def predict(
+        self, latents: torch.Tensor, t: torch.Tensor, conds: list[dict], reqs: list, rows: list
+    ) -> torch.Tensor:
+        """The transformer's prediction for a batch of rows (one row per image)."""
+        raise NotImplementedError
+
+    def latents_to_image(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def shift_mu(self, req: DiffusionRequest) -> float | None:
+        """The resolution-dependent timestep shift (None where the scheduler has none)."""
+        cfg = self.pipe.scheduler.config
+        if not cfg.get("use_dynamic_shifting", False):
+            return None
+        return calculate_shift(
+            self.image_seq_len(req.params.height, req.params.width),
+            cfg.get("base_image_seq_len", 256),
+            cfg.get("max_image_seq_len", 4096),
+            cfg.get("base_shift", 0.5),
+            cfg.get("max_shift", 1.15),
+        )
+
+    def sigmas(self, steps: int) -> np.ndarray | None:
+        return np.linspace(1.0, 1 / steps, steps)
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        f = self.pipe.vae_scale_factor * 2
+        return (height // f) * (width // f)
+
+    def uses_cfg(self, p: DiffusionParams) -> bool:
+        return p.true_cfg_scale > 1 and p.negative_prompt is not None
+
+    def combine(self, pos: torch.Tensor, neg: torch.Tensor, reqs: list, rows: list) -> torch.Tensor:
+        scale = self._per_row([r.params.true_cfg_scale for r in reqs], rows, pos)
+        return neg + scale * (pos - neg)
+
+    # -- shared ------------------------------------------------------------------------
+
+    def resolve(self, params: DiffusionParams) -> DiffusionParams:
+        """Fill the model's defaults and check what only the model can check (ValueError)."""
+        given = params.true_cfg_scale
+        if given is not None and given > 1 and not params.negative_prompt:
+            raise ValueError("true_cfg_scale > 1 needs a negative_prompt")
+        p = params.merged({k: v for k, v in self.defaults.items() if v is not None})
+        for name in ("height", "width"):
+            value = getattr(p, name)
+            if value % self.size_multiple:
+                raise ValueError(
+                    f"{name} must be a multiple of {self.size_multiple} for this model, got {value}"
+                )
+        return p
+
+    def encode(self, reqs: list[DiffusionRequest]) -> None:
+        texts = sorted({t for r in reqs for t in (r.prompt, r.params.negative_prompt) if t})
+        if self.needs_empty_negative():
+            texts = sorted(set(texts) | {""})
+        encoded = dict(zip(texts, self.encode_texts(texts), strict=True))
+        for r in reqs:
+            r.cond = encoded[r.prompt]
+            if self.uses_cfg(r.params):
+                r.uncond = encoded[r.params.negative_prompt or ""]
+
+    def needs_empty_negative(self) -> bool:
+        return False
+
+    def prepare(self, req: DiffusionRequest) -> None:
+        p = req.params
+        generator = torch.Generator(device="cpu").manual_seed(p.seed)
+        req.latents = self.initial_latents(req, generator)
+        req.scheduler = copy.deepcopy(self.pipe.scheduler)
+        kwargs = {}
+        mu = self.shift_mu(req)
+        if mu is not None:
+            kwargs["mu"] = mu
+        req.timesteps, _ = retrieve_timesteps(
+            req.scheduler,
+            p.num_inference_steps,
+            self.device,
+            sigmas=self.sigmas(p.num_inference_steps),
+            **kwargs,
+        )
+        req.scheduler.set_begin_index(0)
+        req.key = self.batch_key(req)
+        req.cost = self.image_seq_len(p.height, p.width) * p.num_images
+
+    def batch_key(self, req: DiffusionRequest) -> tuple:
+        p = req.params
+        return (p.height, p.width, self.uses_cfg(p))
+
+    def denoise(self, reqs: list[DiffusionRequest]) -> None:
+        """One denoising step for every request in `reqs` (all with the same batch key)."""
+        rows = [r.params.num_images for r in reqs]
+        latents = torch.cat([r.latents for r in reqs])
+        t = torch.cat([r.timesteps[r.step].expand(n) for r, n in zip(reqs, rows, strict=True)])
+        t = t.to(latents.dtype)
+        cfg = self.uses_cfg(reqs[0].params)
+        conds = [r.cond for r in reqs]
+        if cfg:
+            # Both guidance branches in one call: rows are independent in the transformer.
+            pred = self.predict(
+                torch.cat([latents, latents]),
+                torch.cat([t, t]),
+                conds + [r.uncond for r in reqs],
+                reqs + reqs,
+                rows + rows,
+            )
+            pos, neg = pred.chunk(2)
+            pred = self.combine(pos, neg, reqs, rows)
+        else:
+            pred = self.predict(latents, t, conds, reqs, rows)
+        for r, noise in zip(reqs, pred.split(rows), strict=True):
+            r.latents = r.scheduler.step(noise, r.timesteps[r.step], r.latents, return_dict=False)[0]
+            r.step += 1
+
+    @torch.no_grad()
+    def decode(self, reqs: list[DiffusionRequest]) -> None:
+        """VAE-decode finished requests (same size) into float HWC images in [0, 1]."""
+        p = reqs[0].params
+        image = self.latents_to_image(torch.cat([r.latents for r in reqs]), p.height, p.width)
+        images = self.pipe.image_processor.postprocess(image, output_type="np")
+        start = 0
+        for r in reqs:
+            r.images = list(images[start : start + r.params.num_images])
+            start += r.params.num_images
+
+    # -- helpers for subclasses --------------------------------------------------------
+
+    @staticmethod
+    def _per_row(values: list[float], rows: list[int], like: torch.Tensor) -> torch.Tensor:
+        """A per-request scalar repeated for each of its rows, shaped to broadcast."""
+        v = torch.tensor(values, dtype=like.dtype, device=like.device).repeat_interleave(
+            torch.tensor(rows, device=like.device)
+        )
+        return v.view(-1, *([1] * (like.dim() - 1)))
+
+    @staticmethod
+    def _rows(conds: list[dict], name: str, rows: list[int]) -> torch.Tensor:
+        """Stack one conditioning tensor for every row (a request's images share a prompt)."""
+        return torch.cat([c[name].expand(n, *c[name].shape[1:]) for c, n in zip(conds, rows, strict=True)])

@@ -1,0 +1,55 @@
+"""Flux (FluxPipeline): CLIP pooled + T5 sequence conditioning, packed 2x2 latents."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_omni.engine.diffusion.adapters.base import StepAdapter
+from vllm_omni.engine.diffusion.request import DiffusionRequest
+
+
+class FluxAdapter(StepAdapter):
+    family = "flux"
+
+    @property
+    def size_multiple(self) -> int:
+        return self.pipe.vae_scale_factor * 2
+
+    @torch.no_grad()
+    def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=texts, prompt_2=None, device=self.device,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return [{"embeds": e[None], "pooled": p[None]} for e, p in zip(embeds, pooled, strict=True)]
+
+    def initial_latents(self, req: DiffusionRequest, generator: torch.Generator) -> torch.Tensor:
+        p = req.params
+        latents, image_ids = self.pipe.prepare_latents(
+            p.num_images, self.pipe.transformer.config.in_channels // 4, p.height, p.width,
+            self.dtype, self.device, generator,
+        )
+        req.extras["image_ids"] = image_ids
+        return latents
+
+    def predict(self, latents, t, conds, reqs, rows):
+        guidance = None
+        if self.pipe.transformer.config.guidance_embeds:
+            guidance = self._per_row([r.params.guidance_scale for r in reqs], rows, t).float()
+        embeds = self._rows(conds, "embeds", rows)
+        return self.pipe.transformer(
+            hidden_states=latents,
+            timestep=t / 1000,
+            guidance=guidance,
+            pooled_projections=self._rows(conds, "pooled", rows),
+            encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype),
+            img_ids=reqs[0].extras["image_ids"],
+            return_dict=False,
+        )[0]
+
+    def latents_to_image(self, latents, height, width):
+        vae = self.pipe.vae
+        latents = self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(latents, return_dict=False)[0]

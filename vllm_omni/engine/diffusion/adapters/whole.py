@@ -1,0 +1,75 @@
+"""The fallback for pipelines without a step-level adapter: whole requests, batched when
+their settings are identical (one pipeline call, one generator per image)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from vllm_omni.engine.diffusion.params import DiffusionParams
+from vllm_omni.engine.diffusion.request import DiffusionRequest
+
+# DiffusionParams fields passed to the pipeline under the same name, when it takes them.
+_CALL_FIELDS = (
+    "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
+    "true_cfg_scale",
+)
+
+
+class WholeRequestAdapter:
+    """Runs `pipeline(...)` as it is; to the scheduler each request is a single step."""
+
+    family = "whole-request"
+    step_level = False
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+        self.accepted = set(inspect.signature(type(pipe).__call__).parameters)
+        self.defaults: dict[str, Any] = {}
+
+    def resolve(self, params: DiffusionParams) -> DiffusionParams:
+        refused = sorted(
+            f for f in params.model_fields_set if f in _CALL_FIELDS and f not in self.accepted
+        )
+        if refused:
+            raise ValueError(f"{type(self.pipe).__name__} does not take {refused}")
+        if params.output == "latent":
+            raise ValueError("latent output needs a step-level adapter; this model has none")
+        return params
+
+    def encode(self, reqs: list[DiffusionRequest]) -> None:
+        pass
+
+    def prepare(self, req: DiffusionRequest) -> None:
+        p = req.params
+        req.timesteps = torch.zeros(1)
+        settings = p.model_dump(include=set(_CALL_FIELDS), exclude_none=True)
+        # Several images of one request come from one generator, which a batch of
+        # per-image generators cannot reproduce: such a request runs alone.
+        alone = req.request_id if p.num_images > 1 else None
+        req.key = (tuple(sorted(settings.items())), alone)
+        req.cost = p.num_images
+
+    @torch.no_grad()
+    def denoise(self, reqs: list[DiffusionRequest]) -> None:
+        p = reqs[0].params
+        kwargs = p.model_dump(include=set(_CALL_FIELDS) & self.accepted, exclude_none=True)
+        if len(reqs) == 1:
+            kwargs.update(prompt=reqs[0].prompt, num_images_per_prompt=p.num_images,
+                          generator=torch.Generator().manual_seed(p.seed))
+        else:
+            kwargs.update(prompt=[r.prompt for r in reqs],
+                          generator=[torch.Generator().manual_seed(r.params.seed) for r in reqs])
+            if "negative_prompt" in kwargs:
+                kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * len(reqs)
+        images = self.pipe(**kwargs, output_type="np").images
+        start = 0
+        for r in reqs:
+            r.images = list(images[start : start + r.params.num_images])
+            start += r.params.num_images
+            r.step = 1
+
+    def decode(self, reqs: list[DiffusionRequest]) -> None:
+        pass  # the pipeline call already decoded

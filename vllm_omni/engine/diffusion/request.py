@@ -1,0 +1,44 @@
+"""The state of one diffusion request inside the engine core."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_omni.engine.diffusion.params import DiffusionParams
+
+_arrivals = itertools.count()
+
+
+@dataclass
+class DiffusionRequest:
+    request_id: str
+    prompt: str
+    # Resolved: the model's defaults filled in, so every field but negative_prompt is set.
+    params: DiffusionParams
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    # Requests with the same key can be denoised in one batched transformer call.
+    key: tuple = ()
+    # Latent tokens x images: the unit of the scheduler's memory budget.
+    cost: int = 0
+    cond: dict[str, torch.Tensor] = field(default_factory=dict)
+    uncond: dict[str, torch.Tensor] | None = None
+    latents: torch.Tensor | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+    # A private copy of the pipeline's scheduler: it keeps per-request step state.
+    scheduler: Any = None
+    timesteps: torch.Tensor | None = None
+    step: int = 0
+    images: list[np.ndarray] | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return 0 if self.timesteps is None else len(self.timesteps)
+
+    @property
+    def denoised(self) -> bool:
+        return self.timesteps is not None and self.step >= self.num_steps

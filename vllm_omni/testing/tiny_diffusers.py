@@ -1,0 +1,263 @@
+"""Tiny diffusers pipelines (Flux, SD3, Qwen-Image) with random weights.
+
+Built from the real component classes, saved with `save_pretrained`, and loaded back through
+`DiffusionPipeline.from_pretrained` like a downloaded model. Tokenizers are character-level
+vocabularies made here, so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_CHARS = string.ascii_lowercase + string.digits + string.punctuation
+
+
+def _clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    specials = ["<|startoftext|>", "<|endoftext|>"]
+    # CLIP's BPE marks word ends with "</w>": every character exists in both forms.
+    pieces = specials + list(_CHARS) + [c + "</w>" for c in _CHARS]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def _t5_tokenizer():
+    from transformers import T5Tokenizer
+
+    pieces = ["<pad>", "</s>", "<unk>", "\u2581"] + list(_CHARS)
+    pieces += ["\u2581" + c for c in _CHARS]
+    return T5Tokenizer(vocab=[(p, -1.0) for p in pieces], extra_ids=0)
+
+
+def _qwen_tokenizer():
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    pieces = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {p: i for i, p in enumerate(pieces)}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=1024)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tok
+
+
+def _clip_text(tokenizer, hidden: int, with_projection: bool):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        projection_dim=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    return cls(config)
+
+
+def _t5(tokenizer, d_model: int):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_ff=2 * d_model,
+        d_kv=8,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+    )
+    return T5EncoderModel(config)
+
+
+def _vae(latent_channels: int, shift: float, scale: float):
+    from diffusers import AutoencoderKL
+
+    # Four blocks: the real 8x spatial compression, with 8 channels each.
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=32,
+        shift_factor=shift,
+        scaling_factor=scale,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
+def _flow_scheduler(dynamic: bool):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if dynamic:
+        return FlowMatchEulerDiscreteScheduler(
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+            base_shift=0.5,
+            max_shift=1.15,
+        )
+    return FlowMatchEulerDiscreteScheduler(shift=3.0)
+
+
+@dataclass(frozen=True)
+class FluxSize:
+    head_dim: int
+    heads: int
+    double_blocks: int
+    single_blocks: int
+    text_dim: int
+    rope: tuple[int, int, int]
+
+
+FLUX_SIZES = {
+    "flux-tiny": FluxSize(16, 2, 1, 1, 32, (4, 6, 6)),
+    # Hidden 384 and 8 blocks: the transformer dominates the time on a CPU.
+    "flux-small": FluxSize(64, 6, 2, 6, 64, (16, 24, 24)),
+}
+
+
+def build_flux(size: FluxSize):
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=size.double_blocks,
+        num_single_layers=size.single_blocks,
+        attention_head_dim=size.head_dim,
+        num_attention_heads=size.heads,
+        joint_attention_dim=size.text_dim,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=size.rope,
+    )
+    return FluxPipeline(
+        scheduler=_flow_scheduler(dynamic=True),
+        vae=_vae(4, shift=0.1159, scale=0.3611),
+        text_encoder=_clip_text(clip_tok, 32, with_projection=False),
+        tokenizer=clip_tok,
+        text_encoder_2=_t5(t5_tok, size.text_dim),
+        tokenizer_2=t5_tok,
+        transformer=transformer,
+    )
+
+
+def build_sd3():
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
+    transformer = SD3Transformer2DModel(
+        sample_size=32,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        caption_projection_dim=32,
+        pooled_projection_dim=64,
+    )
+    return StableDiffusion3Pipeline(
+        scheduler=_flow_scheduler(dynamic=False),
+        vae=_vae(4, shift=0.0609, scale=1.5305),
+        text_encoder=_clip_text(clip_tok, 32, with_projection=True),
+        tokenizer=clip_tok,
+        text_encoder_2=_clip_text(_clip_tokenizer(), 32, with_projection=True),
+        tokenizer_2=_clip_tokenizer(),
+        # SD3 pads the CLIP features to the T5 width: T5 must be at least 32 + 32 wide.
+        text_encoder_3=_t5(t5_tok, 64),
+        tokenizer_3=t5_tok,
+        transformer=transformer,
+    )
+
+
+def build_qwen_image():
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = _qwen_tokenizer()
+    text_config = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 1024,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+        "bos_token_id": None,
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    }
+    vision_config = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                     "out_hidden_size": 32, "patch_size": 14, "spatial_merge_size": 2}
+    text_encoder = Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config=text_config,
+            vision_config=vision_config,
+            bos_token_id=None,
+            eos_token_id=text_config["eos_token_id"],
+        )
+    )
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
+    return QwenImagePipeline(
+        scheduler=_flow_scheduler(dynamic=True),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+
+
+def build_diffusers(name: str, out_dir: Path, seed: int, dtype: str) -> None:
+    torch.manual_seed(seed)
+    if name in FLUX_SIZES:
+        pipe = build_flux(FLUX_SIZES[name])
+    elif name == "sd3-tiny":
+        pipe = build_sd3()
+    elif name == "qwen-image-tiny":
+        pipe = build_qwen_image()
+    else:
+        raise ValueError(f"unknown tiny diffusers pipeline {name!r}")
+    if dtype != "float32":
+        pipe.to(getattr(torch, dtype))
+    pipe.save_pretrained(out_dir)
+
+
+DIFFUSERS_MODELS = [*FLUX_SIZES, "sd3-tiny", "qwen-image-tiny"]
