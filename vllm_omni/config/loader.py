@@ -12,6 +12,8 @@ from vllm_omni.config.schema import PipelineConfig
 
 BUILTIN_DIR = Path(__file__).parent / "pipelines"
 DEFAULT_PIPELINE = "llm"
+# A diffusers-format folder (model_index.json) is served by one diffusion stage.
+DIFFUSERS_PIPELINE = "diffusion"
 
 
 class PipelineConfigError(ValueError):
@@ -65,10 +67,13 @@ def model_architectures(model: str | Path) -> list[str]:
 
 def resolve_pipeline(model: str | Path, stage_configs_path: str | Path | None = None):
     """The pipeline to serve `model` with: the given file, else the built-in one for the
-    model's HF architecture, else the one-stage LLM pipeline."""
+    model's HF architecture, the diffusion pipeline for a diffusers folder, else the
+    one-stage LLM pipeline."""
     if stage_configs_path is not None:
         return load_pipeline(stage_configs_path)
     pipelines = builtin_pipelines()
+    if (Path(model) / "model_index.json").is_file():
+        return pipelines[DIFFUSERS_PIPELINE]
     archs = set(model_architectures(model))
     for pipeline in pipelines.values():
         if archs & set(pipeline.architectures):

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-EngineType = Literal["ar"]
+EngineType = Literal["ar", "diffusion"]
 OutputType = Literal["text", "tokens", "hidden_states", "image", "audio", "latent"]
 
 # The `modalities` a request can ask for, by stage output type.
@@ -25,7 +32,10 @@ MODALITY_OF_OUTPUT: dict[str, str] = {
 }
 
 # What each engine type can produce; checked so a config cannot promise an output nobody makes.
-ENGINE_OUTPUTS: dict[str, set[str]] = {"ar": {"text", "tokens", "hidden_states"}}
+ENGINE_OUTPUTS: dict[str, set[str]] = {
+    "ar": {"text", "tokens", "hidden_states"},
+    "diffusion": {"image", "latent"},
+}
 
 
 class StageConfig(BaseModel):
@@ -39,10 +49,12 @@ class StageConfig(BaseModel):
         default=None, description="Model folder; default: the model the pipeline was loaded for."
     )
     engine_args: dict[str, Any] = Field(
-        default_factory=dict, description="vLLM engine args (AsyncEngineArgs fields)."
+        default_factory=dict,
+        description="Engine args: vLLM's AsyncEngineArgs for 'ar', EngineOptions for 'diffusion'.",
     )
     sampling_params: dict[str, Any] = Field(
-        default_factory=dict, description="Default sampling params (SamplingParams fields)."
+        default_factory=dict,
+        description="Request defaults: SamplingParams for 'ar', DiffusionParams for 'diffusion'.",
     )
     inputs: list[str] = Field(default_factory=list, description="Stages that feed this one.")
     input_processor: str | None = Field(
@@ -61,20 +73,26 @@ class StageConfig(BaseModel):
 
     @field_validator("engine_args")
     @classmethod
-    def _known_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+    def _known_engine_args(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         from dataclasses import fields
 
-        from vllm.engine.arg_utils import AsyncEngineArgs
-
-        known = {f.name for f in fields(AsyncEngineArgs)}
-        unknown = sorted(set(value) - known)
+        if info.data.get("engine") == "diffusion":
+            from vllm_omni.engine.diffusion.core import EngineOptions as args_class
+        else:
+            from vllm.engine.arg_utils import AsyncEngineArgs as args_class
+        unknown = sorted(set(value) - {f.name for f in fields(args_class)})
         if unknown:
-            raise ValueError(f"unknown vLLM engine args {unknown}")
+            raise ValueError(f"unknown {args_class.__name__} fields {unknown}")
         return value
 
     @field_validator("sampling_params")
     @classmethod
-    def _known_sampling_params(cls, value: dict[str, Any]) -> dict[str, Any]:
+    def _known_sampling_params(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if info.data.get("engine") == "diffusion":
+            from vllm_omni.engine.diffusion.params import DiffusionParams
+
+            DiffusionParams(**value)  # raises, naming the field, when a value is wrong
+            return value
         from vllm import SamplingParams
 
         unknown = sorted(set(value) - set(SamplingParams.__struct_fields__))

@@ -23,12 +23,15 @@ from vllm_omni.config import PipelineConfig, StageConfig, resolve_pipeline
 from vllm_omni.config.schema import MODALITY_OF_OUTPUT
 from vllm_omni.engine.ar import ARStage
 from vllm_omni.engine.ar.stage import stage_engine_args
+from vllm_omni.engine.diffusion.params import DiffusionParams
+from vllm_omni.engine.diffusion.stage import DiffusionStage
 from vllm_omni.errors import StageError, StageStartError
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
 
-StageSampling = SamplingParams | dict[str, Any] | None
+StageSampling = SamplingParams | DiffusionParams | dict[str, Any] | None
+Stage = ARStage | DiffusionStage
 InputProcessor = Callable[[dict[str, OmniRequestOutput], Any], Any]
 
 
@@ -45,7 +48,8 @@ class AsyncOmniLLM:
         stage_configs_path: a pipeline YAML; default: the built-in pipeline for the model's
             HF architecture, or the one-stage LLM pipeline.
         pipeline: an already loaded pipeline config (instead of `stage_configs_path`).
-        **engine_kwargs: vLLM engine args applied to every AR stage (dtype, max_model_len...).
+        **engine_kwargs: vLLM engine args applied to every AR stage (dtype, max_model_len...);
+            diffusion stages take the ones that apply to them (dtype).
     """
 
     def __init__(
@@ -60,7 +64,7 @@ class AsyncOmniLLM:
         self.model = model
         self.pipeline = pipeline or resolve_pipeline(model, stage_configs_path)
         self.order = self.pipeline.topological_order()
-        self.stages: dict[str, ARStage] = {}
+        self.stages: dict[str, Stage] = {}
         self._input_processors = {
             s.name: load_input_processor(s.input_processor)
             for s in self.pipeline.stages
@@ -71,13 +75,15 @@ class AsyncOmniLLM:
     def _start_stages(self, engine_kwargs: dict[str, Any], usage_context: UsageContext) -> None:
         """Start every stage's engine at once; fail with every stage's error, named."""
 
-        def start(stage: StageConfig) -> ARStage:
+        def start(stage: StageConfig) -> Stage:
             logger.info(
                 "Starting stage %r (%s) of pipeline %r",
                 stage.name,
                 stage.engine,
                 self.pipeline.name,
             )
+            if stage.engine == "diffusion":
+                return DiffusionStage(stage, self.model, engine_kwargs)
             return ARStage(
                 stage, stage_engine_args(self.model, stage, engine_kwargs), usage_context
             )
@@ -104,24 +110,35 @@ class AsyncOmniLLM:
     # -- stage access -------------------------------------------------------------------
 
     @property
-    def entry_stage(self) -> ARStage:
+    def entry_stage(self) -> Stage:
         """The stage that receives the user's prompt (renders chat, counts prompt tokens)."""
         return self.stages[self.order[0].name]
 
     @property
-    def text_stage(self) -> ARStage:
-        """The stage whose text is the request's text answer (OpenAI sampling params go here)."""
+    def text_stage(self) -> ARStage | None:
+        """The stage whose text is the request's text answer (OpenAI sampling params go here):
+        the final text stage, else the first AR stage; None in a pipeline without AR stages."""
         for s in self.order:
             if s.final_output and s.output == "text":
                 return self.stages[s.name]
-        return self.entry_stage
+        ar = [self.stages[s.name] for s in self.order if s.engine == "ar"]
+        return ar[0] if ar else None
+
+    @property
+    def image_stage(self) -> DiffusionStage | None:
+        """The final stage that outputs images (None when the pipeline makes none)."""
+        for s in self.order:
+            if s.final_output and s.output == "image":
+                return self.stages[s.name]
+        return None
 
     def sampling_params_list(
         self, given: Sequence[StageSampling] | SamplingParams | None
-    ) -> list[SamplingParams]:
-        """One SamplingParams per stage, in the pipeline's declaration order."""
+    ) -> list[SamplingParams | DiffusionParams]:
+        """One SamplingParams (DiffusionParams for a diffusion stage) per stage, in the
+        pipeline's declaration order."""
         names = [s.name for s in self.pipeline.stages]
-        if given is None or isinstance(given, SamplingParams | dict):
+        if given is None or isinstance(given, SamplingParams | DiffusionParams | dict):
             given = [given] if len(names) == 1 else None
         if given is None:
             given = [None] * len(names)

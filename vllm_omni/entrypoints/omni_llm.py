@@ -70,8 +70,9 @@ class OmniLLM:
             prompts = [prompts]
         params = self.engine.sampling_params_list(sampling_params_list)
         for p in params:
-            # Only whole outputs are wanted offline: no per-token deltas to process.
-            p.output_kind = RequestOutputKind.FINAL_ONLY
+            if isinstance(p, SamplingParams):
+                # Only whole outputs are wanted offline: no per-token deltas to process.
+                p.output_kind = RequestOutputKind.FINAL_ONLY
         ids = [self._next_id() for _ in prompts]
         future = asyncio.run_coroutine_threadsafe(
             self._generate_all(prompts, params, ids, use_tqdm), self._loop
@@ -89,18 +90,22 @@ class OmniLLM:
     async def _generate_all(
         self,
         prompts: Sequence[PromptType],
-        params: list[SamplingParams],
+        params: list[Any],
         ids: list[str],
         use_tqdm: bool,
     ) -> list[OmniRequestOutput]:
         bar = tqdm(total=len(prompts), desc="Requests", disable=not use_tqdm, dynamic_ncols=True)
+        steps = {"done": 0}
 
         async def one(prompt: PromptType, request_id: str) -> list[OmniRequestOutput]:
-            finals = [
-                out
-                async for out in self.engine.generate(prompt, params, request_id)
-                if out.finished
-            ]
+            finals, seen = [], 0
+            async for out in self.engine.generate(prompt, params, request_id):
+                if "step" in out.metrics:  # a diffusion stage's progress: denoising steps
+                    steps["done"] += out.metrics["step"] - seen
+                    seen = out.metrics["step"]
+                    bar.set_postfix_str(f"{steps['done']} denoising steps", refresh=False)
+                if out.finished:
+                    finals.append(out)
             bar.update(1)
             return finals
 

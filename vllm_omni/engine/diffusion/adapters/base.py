@@ -177,7 +177,8 @@ class StepAdapter:
         else:
             pred = self.predict(latents, t, conds, reqs, rows)
         for r, noise in zip(reqs, pred.split(rows), strict=True):
-            r.latents = r.scheduler.step(noise, r.timesteps[r.step], r.latents, return_dict=False)[0]
+            t_r = r.timesteps[r.step]
+            r.latents = r.scheduler.step(noise, t_r, r.latents, return_dict=False)[0]
             r.step += 1
 
     @torch.no_grad()
@@ -204,4 +205,5 @@ class StepAdapter:
     @staticmethod
     def _rows(conds: list[dict], name: str, rows: list[int]) -> torch.Tensor:
         """Stack one conditioning tensor for every row (a request's images share a prompt)."""
-        return torch.cat([c[name].expand(n, *c[name].shape[1:]) for c, n in zip(conds, rows, strict=True)])
+        pairs = zip(conds, rows, strict=True)
+        return torch.cat([c[name].expand(n, *c[name].shape[1:]) for c, n in pairs])

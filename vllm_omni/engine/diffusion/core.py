@@ -1,0 +1,191 @@
+"""The diffusion engine core: a busy loop in its own process, like vLLM's EngineCore.
+
+Each iteration takes new messages (add / abort / shutdown), admits waiting requests (batched
+text encoding, noise, schedules), runs ONE denoising step for one batch, decodes what is
+done, and sends the outputs back. The worker here is the adapter over the loaded pipeline;
+the process has one device, so there is no separate executor layer yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from vllm_omni.engine.diffusion.params import DiffusionParams
+from vllm_omni.engine.diffusion.request import DiffusionRequest
+from vllm_omni.engine.diffusion.scheduler import DiffusionScheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineOptions:
+    """Engine settings, given once at start (the diffusion counterpart of engine args)."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch_size: int = 16
+    # Latent tokens x images per transformer call; default: no limit beyond batch size.
+    max_batch_cost: int = 1 << 62
+    max_running: int = 64
+    num_threads: int | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DiffusionOutput:
+    """Progress (`step` of `num_steps`) or the result of one request, sent to the client."""
+
+    request_id: str
+    step: int = 0
+    num_steps: int = 0
+    finished: bool = False
+    images: list[np.ndarray] | None = None
+    latents: Any = None
+    seed: int | None = None
+    error: str | None = None
+    # "invalid": the request's parameters (a caller error); "internal": the engine failed.
+    error_kind: str | None = None
+
+
+class EngineCore:
+    def __init__(self, model: str, options: EngineOptions, conn: Connection) -> None:
+        import torch
+        from diffusers import DiffusionPipeline
+        from diffusers.utils import logging as diffusers_logging
+
+        from vllm_omni.engine.diffusion.adapters import adapter_for
+
+        diffusers_logging.disable_progress_bar()
+        if options.num_threads:
+            torch.set_num_threads(options.num_threads)
+        self.conn = conn
+        pipe = DiffusionPipeline.from_pretrained(model, dtype=getattr(torch, options.dtype))
+        pipe.to(options.device)
+        self.adapter = adapter_for(pipe)
+        self.defaults = options.defaults
+        self.scheduler = DiffusionScheduler(
+            options.max_batch_size, options.max_batch_cost, options.max_running
+        )
+        self.running = True
+
+    def info(self) -> dict[str, Any]:
+        a = self.adapter
+        return {
+            "pipeline": type(a.pipe).__name__,
+            "family": a.family,
+            "step_level": a.step_level,
+            "defaults": a.defaults,
+        }
+
+    # -- messages ------------------------------------------------------------------------
+
+    def handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            self.add(*msg[1:])
+        elif kind == "abort":
+            self.scheduler.abort(msg[1])
+        elif kind == "shutdown":
+            self.running = False
+
+    def add(self, request_id: str, prompt: str, params: dict[str, Any]) -> None:
+        try:
+            given = DiffusionParams(**params).merged(self.defaults)
+            resolved = self.adapter.resolve(given)
+            if resolved.seed is None:
+                resolved.seed = secrets.randbits(63)
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
+            self.send(DiffusionOutput(request_id, finished=True, error=str(e),
+                                      error_kind="invalid"))
+            return
+        self.scheduler.add(DiffusionRequest(request_id, prompt, resolved))
+
+    def send(self, out: DiffusionOutput) -> None:
+        self.conn.send(out)
+
+    def fail(self, reqs: list[DiffusionRequest], exc: BaseException) -> None:
+        logger.error("diffusion requests %s failed:\n%s", [r.request_id for r in reqs],
+                     "".join(traceback.format_exception(exc)))
+        for r in reqs:
+            self.scheduler.finish(r)
+            self.send(DiffusionOutput(r.request_id, finished=True, error=repr(exc),
+                                      error_kind="internal"))
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while self.running:
+                # Block for messages only when idle; between steps, just drain them.
+                if not self.scheduler.has_work:
+                    self.conn.poll(None)
+                while self.running and self.conn.poll(0):
+                    self.handle(self.conn.recv())
+                if self.running:
+                    self.step()
+
+    def step(self) -> None:
+        admitted = self.scheduler.admit()
+        if admitted:
+            try:
+                self.adapter.encode(admitted)
+            except Exception as e:
+                self.fail(admitted, e)
+                admitted = []
+            for r in admitted:
+                try:
+                    self.adapter.prepare(r)
+                except Exception as e:
+                    self.fail([r], e)
+        batch = self.scheduler.pick_batch()
+        if batch:
+            try:
+                self.adapter.denoise(batch)
+            except Exception as e:
+                self.fail(batch, e)
+            else:
+                for r in batch:
+                    if not r.denoised:
+                        self.send(DiffusionOutput(r.request_id, r.step, r.num_steps))
+        for group in self.scheduler.denoised():
+            self.finish(group)
+
+    def finish(self, group: list[DiffusionRequest]) -> None:
+        latent_only = group[0].params.output == "latent"
+        try:
+            if not latent_only:
+                self.adapter.decode(group)
+        except Exception as e:
+            self.fail(group, e)
+            return
+        for r in group:
+            self.scheduler.finish(r)
+            self.send(DiffusionOutput(
+                r.request_id, r.num_steps, r.num_steps, finished=True, images=r.images,
+                latents=r.latents.clone() if latent_only else None, seed=r.params.seed,
+            ))
+
+
+def run_engine_core(model: str, options: EngineOptions, conn: Connection) -> None:
+    """Process entry point: load, report ready (or why not), serve until shutdown or EOF."""
+    logging.basicConfig(level=logging.INFO, format=f"(DiffusionCore pid={os.getpid()}) %(message)s")
+    try:
+        core = EngineCore(model, options, conn)
+    except BaseException:
+        conn.send(("start_failed", traceback.format_exc()))
+        return
+    conn.send(("ready", core.info()))
+    try:
+        core.run()
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass  # the client went away: nothing left to serve
