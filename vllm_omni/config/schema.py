@@ -91,7 +91,7 @@ class StageConfig(BaseModel):
         if info.data.get("engine") == "diffusion":
             from vllm_omni.engine.diffusion.params import DiffusionParams
 
-            DiffusionParams(**value)  # raises, naming the field, when a value is wrong
+            DiffusionParams.parse(value)  # raises, naming the field, when a value is wrong
             return value
         from vllm import SamplingParams
 

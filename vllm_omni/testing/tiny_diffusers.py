@@ -251,6 +251,11 @@ def build_diffusers(name: str, out_dir: Path, seed: int, dtype: str) -> None:
         pipe = build_flux(FLUX_SIZES[name])
     elif name == "sd3-tiny":
         pipe = build_sd3()
+    elif name == "sd3-img2img-tiny":
+        from diffusers import StableDiffusion3Img2ImgPipeline
+
+        # An image-to-image pipeline over the same components: an edit model for tests.
+        pipe = StableDiffusion3Img2ImgPipeline(**build_sd3().components)
     elif name == "qwen-image-tiny":
         pipe = build_qwen_image()
     else:
@@ -260,4 +265,4 @@ def build_diffusers(name: str, out_dir: Path, seed: int, dtype: str) -> None:
     pipe.save_pretrained(out_dir)
 
 
-DIFFUSERS_MODELS = [*FLUX_SIZES, "sd3-tiny", "qwen-image-tiny"]
+DIFFUSERS_MODELS = [*FLUX_SIZES, "sd3-tiny", "sd3-img2img-tiny", "qwen-image-tiny"]

@@ -82,7 +82,11 @@ class AsyncDiffusionEngine:
             self._conn.send(msg)
 
     async def generate(
-        self, request_id: str, prompt: str, params: DiffusionParams | dict[str, Any] | None = None
+        self,
+        request_id: str,
+        prompt: str,
+        params: DiffusionParams | dict[str, Any] | None = None,
+        images: list[Any] | None = None,
     ) -> AsyncIterator[DiffusionOutput]:
         """Progress outputs (step / num_steps), then the finished one with images or latents.
 
@@ -97,7 +101,7 @@ class AsyncDiffusionEngine:
         self._requests[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            self._send(("add", request_id, prompt, params or {}))
+            self._send(("add", request_id, prompt, params or {}, list(images or [])))
             while True:
                 out = await queue.get()
                 if out is None:

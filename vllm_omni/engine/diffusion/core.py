@@ -96,17 +96,18 @@ class EngineCore:
         elif kind == "shutdown":
             self.running = False
 
-    def add(self, request_id: str, prompt: str, params: dict[str, Any]) -> None:
+    def add(self, request_id: str, prompt: str, params: dict[str, Any], images: list) -> None:
         try:
-            given = DiffusionParams(**params).merged(self.defaults)
+            self.adapter.check_inputs(images)
+            given = DiffusionParams.parse(params).merged(self.defaults)
             resolved = self.adapter.resolve(given)
             if resolved.seed is None:
                 resolved.seed = secrets.randbits(63)
-        except ValueError as e:  # pydantic's ValidationError is a ValueError
+        except ValueError as e:
             self.send(DiffusionOutput(request_id, finished=True, error=str(e),
                                       error_kind="invalid"))
             return
-        self.scheduler.add(DiffusionRequest(request_id, prompt, resolved))
+        self.scheduler.add(DiffusionRequest(request_id, prompt, resolved, input_images=images))
 
     def send(self, out: DiffusionOutput) -> None:
         self.conn.send(out)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class DiffusionParams(BaseModel):
@@ -25,8 +27,19 @@ class DiffusionParams(BaseModel):
     true_cfg_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     num_images: int = Field(default=1, ge=1, le=16)
+    # How far an input image is noised before denoising (image-to-image pipelines).
+    strength: float | None = Field(default=None, gt=0.0, le=1.0)
     output: Literal["image", "latent"] = "image"
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> DiffusionParams:
+        """Validate; a bad field is a ValueError whose message names it (a 400 when served)."""
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            problems = [f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
+            raise ValueError("; ".join(problems)) from None
 
     def merged(self, defaults: dict) -> DiffusionParams:
         """These params over a stage's defaults (fields set here win)."""
-        return DiffusionParams(**{**defaults, **self.model_dump(exclude_unset=True)})
+        return DiffusionParams.parse({**defaults, **self.model_dump(exclude_unset=True)})

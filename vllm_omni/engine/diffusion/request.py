@@ -20,6 +20,8 @@ class DiffusionRequest:
     prompt: str
     # Resolved: the model's defaults filled in, so every field but negative_prompt is set.
     params: DiffusionParams
+    # Input images (PIL) for pipelines that edit or transform an image.
+    input_images: list[Any] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrivals))
     # Requests with the same key can be denoised in one batched transformer call.
     key: tuple = ()

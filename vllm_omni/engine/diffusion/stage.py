@@ -45,12 +45,14 @@ def engine_options(stage: StageConfig, engine_kwargs: dict[str, Any]) -> EngineO
     return EngineOptions(**options)
 
 
-def prompt_text(prompt: Any) -> str:
-    """A diffusion prompt is a string, or a dict with 'prompt' (as vLLM's text prompts)."""
+def split_prompt(prompt: Any) -> tuple[str, list[Any]]:
+    """A diffusion prompt is a string, or a dict in vLLM's shape: 'prompt' and optional
+    'multi_modal_data': {'image': one image or a list} for pipelines that take images."""
     if isinstance(prompt, str):
-        return prompt
+        return prompt, []
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-        return prompt["prompt"]
+        images = (prompt.get("multi_modal_data") or {}).get("image") or []
+        return prompt["prompt"], images if isinstance(images, list) else [images]
     raise ValueError(f"a diffusion stage takes a text prompt, got {type(prompt).__name__}")
 
 
@@ -71,7 +73,7 @@ class DiffusionStage:
     def sampling_params(self, given: DiffusionParams | dict[str, Any] | None) -> DiffusionParams:
         if isinstance(given, DiffusionParams):
             return given
-        return DiffusionParams(**(given or {}))
+        return DiffusionParams.parse(given or {})
 
     async def render(self, prompts: list[Any]) -> list[Any]:
         return list(prompts)  # tokenization happens in the engine core, batched
@@ -79,9 +81,9 @@ class DiffusionStage:
     async def generate(
         self, request_id: str, prompt: Any, params: DiffusionParams
     ) -> AsyncIterator[OmniRequestOutput]:
-        text = prompt_text(prompt)
+        text, images = split_prompt(prompt)
         steps_seen = 0
-        async for out in self.engine.generate(request_id, text, params):
+        async for out in self.engine.generate(request_id, text, params, images):
             STEPS.labels(self.name).inc(out.step - steps_seen)
             steps_seen = out.step
             result = OmniRequestOutput(

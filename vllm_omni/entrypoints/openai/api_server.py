@@ -18,14 +18,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
+from vllm_omni.entrypoints.openai.images import ImageGenerationRequest
 from vllm_omni.entrypoints.openai.protocol import (
     OmniChatCompletionRequest,
     OmniCompletionRequest,
     OmniHTTPError,
     error_response,
+    parse_model,
 )
 from vllm_omni.entrypoints.openai.serving import OpenAIServing, error_status, new_request_id
 
@@ -57,7 +59,7 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
+async def _parse_json(request: Request, model: type[BaseModel]) -> Any:
     body = await request.body()
     try:
         data = json.loads(body)
@@ -67,13 +69,23 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         ) from None
     if not isinstance(data, dict):
         raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "request body must be a JSON object")
+    return parse_model(model, data)
+
+
+async def _parse_form(request: Request) -> dict[str, list[Any]]:
+    """A multipart form as {field: [values]}, uploaded files read into bytes."""
     try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or None
-        msg = f"{field}: {err['msg']}" if field else err["msg"]
-        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, msg, field) from None
+        form = await request.form()
+    except Exception as e:  # malformed multipart bodies raise several kinds of errors
+        raise OmniHTTPError(
+            HTTPStatus.BAD_REQUEST, f"request body is not a valid form: {e}"
+        ) from None
+    fields: dict[str, list[Any]] = {}
+    for key, value in form.multi_items():
+        if not isinstance(value, str):
+            value = await value.read()
+        fields.setdefault(key, []).append(value)
+    return fields
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -100,6 +112,7 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 
 
 def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
+    images = serving.images
     app = FastAPI(title="vllm-omni", docs_url=None if args.disable_fastapi_docs else "/docs")
     omni = serving.omni
     if args.allowed_origins:
@@ -116,13 +129,17 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, keys=api_keys)
 
     async def serve(
-        request: Request, endpoint: str, model: type[BaseModel], id_prefix: str, method
+        request: Request, endpoint: str, body_type: type[BaseModel] | None, id_prefix: str, method
     ) -> Response:
-        """Parse the body as `model`, run `method(body, request_id)`, and answer with its
-        result: JSON, an SSE stream, or an OpenAI-style error."""
+        """Parse the body (JSON as `body_type`, or a multipart form when it is None), run
+        `method(body, request_id)`, and answer with its result: JSON, an SSE stream, or an
+        OpenAI-style error."""
 
         async def handler():
-            body = await _parse(request, model)
+            if body_type is None:
+                body = await _parse_form(request)
+            else:
+                body = await _parse_json(request, body_type)
             rid = request.headers.get("X-Request-Id") or new_request_id(id_prefix)
             return await method(body, rid)
 
@@ -145,7 +162,9 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
             )
         REQUESTS.labels(endpoint, "200").inc()
         LATENCY.labels(endpoint).observe(time.perf_counter() - start)
-        return JSONResponse(result.model_dump(exclude_none=True))
+        if isinstance(result, BaseModel):
+            result = result.model_dump(exclude_none=True)
+        return JSONResponse(result)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -157,9 +176,19 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
             request, "completions", OmniCompletionRequest, "cmpl", serving.completion
         )
 
+    @app.post("/v1/images/generations")
+    async def image_generations(request: Request) -> Response:
+        return await serve(
+            request, "images", ImageGenerationRequest, "img", images.generations
+        )
+
+    @app.post("/v1/images/edits")
+    async def image_edits(request: Request) -> Response:
+        return await serve(request, "image_edits", None, "imgedit", images.edits)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        max_len = omni.text_stage.max_model_len
+        text = omni.text_stage
         data = [
             {
                 "id": name,
@@ -167,7 +196,7 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
                 "created": int(time.time()),
                 "owned_by": "vllm-omni",
                 "root": omni.model,
-                "max_model_len": max_len,
+                **({"max_model_len": text.max_model_len} if text else {}),
             }
             for name in serving.served_model_names
         ]

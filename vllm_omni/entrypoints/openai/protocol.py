@@ -6,7 +6,7 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import BaseModel, Field, ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
@@ -39,6 +39,17 @@ class OmniHTTPError(Exception):
         self.status = status
         self.message = message
         self.param = param
+
+
+def parse_model(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    """Validate `data` as `model`; a failure is a 400 naming the field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or None
+        msg = f"{field}: {err['msg']}" if field else err["msg"]
+        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, msg, field) from None
 
 
 def error_body(status: HTTPStatus, message: str, param: str | None = None) -> dict[str, Any]:

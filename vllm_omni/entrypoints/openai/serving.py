@@ -37,6 +37,7 @@ from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
+from vllm_omni.entrypoints.openai.images import ImageServing, chat_image_prompt, encode_image
 from vllm_omni.entrypoints.openai.protocol import (
     OmniChatCompletionRequest,
     OmniCompletionRequest,
@@ -89,7 +90,12 @@ class OpenAIServing:
         self.omni = omni
         self.served_model_names = served_model_names
         self.response_role = response_role
+        self.images = ImageServing(omni)
         entry = omni.entry_stage
+        # Pipelines without an AR entry stage (a diffusion model) take prompts unrendered.
+        self.renderer = None
+        if omni.text_stage is None:
+            return
         self.renderer = OnlineRenderer(
             entry.model_config,
             entry.renderer,
@@ -156,6 +162,8 @@ class OpenAIServing:
         """A ChatCompletionResponse, or an async iterator of SSE lines when streaming."""
         self.check_model(request.model)
         _reject_unsupported(request)
+        if self.renderer is None:
+            return await self._chat_image(request, request_id)
         _, engine_inputs = raise_for_error(await self.renderer.render_chat(request))
         (engine_input,) = engine_inputs
         prompt_len = len(engine_input["prompt_token_ids"])
@@ -165,6 +173,38 @@ class OpenAIServing:
             outputs = await _primed(outputs)
             return self._chat_stream(request, request_id, outputs, prompt_len)
         return await self._chat_full(request, request_id, outputs, prompt_len)
+
+    async def _chat_image(self, request: OmniChatCompletionRequest, request_id: str) -> dict:
+        """Chat with a diffusion pipeline: the last user message is the prompt, the answer's
+        content is the images (as data URLs); `stage_sampling_params` carries the diffusion
+        parameters (size, steps, seed, ...)."""
+        if request.stream:
+            raise OmniHTTPError(
+                HTTPStatus.BAD_REQUEST, "image output cannot be streamed; send stream=false",
+                "stream",
+            )
+        prompt = chat_image_prompt(request.messages)
+        stage = self.images.stage_name()
+        overrides = dict(request.stage_sampling_params or {})
+        diffusion = {"num_images": request.n or 1, **overrides.pop(stage, {})}
+        out = await self.images.generate_images(prompt, diffusion, request_id, overrides)
+        content = [
+            {"type": "image_url",
+             "image_url": {"url": "data:image/png;base64," + encode_image(img, "png")}}
+            for img in out.images
+        ]
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": request.model or self.model_name,
+            "choices": [{
+                "index": 0,
+                "message": {"role": self.response_role, "content": content},
+                "finish_reason": "stop",
+            }],
+            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        }
 
     async def _chat_full(self, request, request_id, outputs, prompt_len) -> ChatCompletionResponse:
         final = await _last_text_output(outputs)
@@ -241,6 +281,12 @@ class OpenAIServing:
         _reject_unsupported(request)
         if request.prompt is None:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "'prompt' is required", "prompt")
+        if self.renderer is None:
+            raise OmniHTTPError(
+                HTTPStatus.BAD_REQUEST,
+                f"pipeline {self.omni.pipeline.name!r} does not output text; "
+                "use /v1/images/generations or /v1/chat/completions",
+            )
         engine_inputs: list[EngineInput] = raise_for_error(
             await self.renderer.render_completion(request)
         )

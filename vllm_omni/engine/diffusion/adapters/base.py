@@ -118,6 +118,12 @@ class StepAdapter:
                 )
         return p
 
+    def check_inputs(self, images: list) -> None:
+        if images:
+            raise ValueError(
+                f"{type(self.pipe).__name__} generates from text only; it takes no input image"
+            )
+
     def encode(self, reqs: list[DiffusionRequest]) -> None:
         texts = sorted({t for r in reqs for t in (r.prompt, r.params.negative_prompt) if t})
         if self.needs_empty_negative():

@@ -14,7 +14,7 @@ from vllm_omni.engine.diffusion.request import DiffusionRequest
 # DiffusionParams fields passed to the pipeline under the same name, when it takes them.
 _CALL_FIELDS = (
     "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
-    "true_cfg_scale",
+    "true_cfg_scale", "strength",
 )
 
 
@@ -39,6 +39,10 @@ class WholeRequestAdapter:
             raise ValueError("latent output needs a step-level adapter; this model has none")
         return params
 
+    def check_inputs(self, images: list) -> None:
+        if images and "image" not in self.accepted:
+            raise ValueError(f"{type(self.pipe).__name__} takes no input image")
+
     def encode(self, reqs: list[DiffusionRequest]) -> None:
         pass
 
@@ -48,7 +52,7 @@ class WholeRequestAdapter:
         settings = p.model_dump(include=set(_CALL_FIELDS), exclude_none=True)
         # Several images of one request come from one generator, which a batch of
         # per-image generators cannot reproduce: such a request runs alone.
-        alone = req.request_id if p.num_images > 1 else None
+        alone = req.request_id if p.num_images > 1 or req.input_images else None
         req.key = (tuple(sorted(settings.items())), alone)
         req.cost = p.num_images
 
@@ -57,8 +61,11 @@ class WholeRequestAdapter:
         p = reqs[0].params
         kwargs = p.model_dump(include=set(_CALL_FIELDS) & self.accepted, exclude_none=True)
         if len(reqs) == 1:
-            kwargs.update(prompt=reqs[0].prompt, num_images_per_prompt=p.num_images,
+            r = reqs[0]
+            kwargs.update(prompt=r.prompt, num_images_per_prompt=p.num_images,
                           generator=torch.Generator().manual_seed(p.seed))
+            if r.input_images:
+                kwargs["image"] = r.input_images[0] if len(r.input_images) == 1 else r.input_images
         else:
             kwargs.update(prompt=[r.prompt for r in reqs],
                           generator=[torch.Generator().manual_seed(r.params.seed) for r in reqs])
