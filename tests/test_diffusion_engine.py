@@ -144,7 +144,8 @@ def test_abort_between_steps_frees_the_slot(tmp_path):
             seen = asyncio.Event()
 
             async def long():
-                async for out in engine.generate("long", "x", {**SIZE, "num_inference_steps": 1000}):
+                params = {**SIZE, "num_inference_steps": 1000}
+                async for out in engine.generate("long", "x", params):
                     if out.step >= 3:
                         seen.set()
 

@@ -1,0 +1,160 @@
+"""The images API through a real server and the openai client, on tiny diffusers pipelines."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from conftest import ServerProcess
+from PIL import Image
+
+from vllm_omni.testing.tiny_models import make_tiny
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+STEPS = {"num_inference_steps": 4}
+
+
+def served(name: str, tmp_path_factory):
+    folder = make_tiny(name, tmp_path_factory.mktemp("img") / name)
+    srv = ServerProcess([str(folder)], tmp_path_factory.mktemp("log") / f"{name}.log")
+    return folder, srv
+
+
+@pytest.fixture(scope="module")
+def flux_server(tmp_path_factory):
+    folder, srv = served("flux-tiny", tmp_path_factory)
+    yield folder, srv
+    assert srv.stop(), "processes of the server were still alive after SIGTERM"
+
+
+def decode(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def reference_pil(folder, prompt: str, seed: int, n: int = 1, **kw) -> list[Image.Image]:
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    gen = torch.Generator().manual_seed(seed)
+    return pipe(prompt, generator=gen, num_images_per_prompt=n, **kw).images
+
+
+def assert_same_image(got: Image.Image, want: Image.Image) -> None:
+    a, b = np.asarray(got, dtype=np.int16), np.asarray(want, dtype=np.int16)
+    assert a.shape == b.shape
+    # 8-bit rounding of float images equal within 1e-4 can differ by one level.
+    assert np.abs(a - b).max() <= 1
+
+
+def test_images_generate_equals_diffusers(flux_server):
+    folder, srv = flux_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    r = client.images.generate(
+        prompt="a red cat", size="96x64", n=2, extra_body={**STEPS, "seed": 5}
+    )
+    got = [decode(d.b64_json) for d in r.data]
+    assert [im.format for im in got] == ["PNG", "PNG"]
+    want = reference_pil(folder, "a red cat", 5, n=2, width=96, height=64, **STEPS)
+    for g, w in zip(got, want, strict=True):
+        assert_same_image(g, w)
+    jpeg = client.images.generate(
+        prompt="a red cat", size="64x64", output_format="jpeg", extra_body=STEPS
+    )
+    assert decode(jpeg.data[0].b64_json).format == "JPEG"
+
+
+def test_concurrent_requests_get_their_own_images(flux_server):
+    folder, srv = flux_server
+    prompts = [f"picture number {i}" for i in range(6)]
+
+    async def all_at_once():
+        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none")
+        import asyncio
+
+        return await asyncio.gather(*[
+            client.images.generate(prompt=p, size="64x64", extra_body={**STEPS, "seed": i})
+            for i, p in enumerate(prompts)
+        ])
+
+    import asyncio
+
+    results = asyncio.run(all_at_once())
+    for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
+        want = reference_pil(folder, p, i, width=64, height=64, **STEPS)[0]
+        assert_same_image(decode(r.data[0].b64_json), want)
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"prompt": "x", "size": "63x64"}, "multiple of"),
+        ({"prompt": "x", "size": "large"}, "size"),
+        ({"prompt": "x", "response_format": "url"}, "response_format"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "num_inference_steps": -1}, "num_inference_steps"),
+        ({"prompt": "x", "true_cfg_scale": 3.0}, "negative_prompt"),
+        ({"prompt": "x", "style": "vivid"}, "style"),
+    ],
+)
+def test_bad_image_requests_are_400(flux_server, body, field):
+    _, srv = flux_server
+    r = httpx.post(srv.url + "/v1/images/generations", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+
+
+def test_chat_returns_images_and_text_routes_refuse(flux_server):
+    folder, srv = flux_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "a green tree"}],
+        extra_body={"stage_sampling_params": {"dit": {**STEPS, "seed": 2, "height": 64,
+                                                      "width": 64}}},
+    )
+    (part,) = r.choices[0].message.content
+    url = part["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,")
+    want = reference_pil(folder, "a green tree", 2, width=64, height=64, **STEPS)[0]
+    assert_same_image(decode(url.partition(",")[2]), want)
+    with pytest.raises(openai.BadRequestError, match="does not output text"):
+        client.completions.create(model=model, prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], stream=True
+        )
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert 'vllm_omni:diffusion_steps_total{stage="dit"}' in metrics
+
+
+def test_images_edit(tmp_path_factory):
+    folder, srv = served("sd3-img2img-tiny", tmp_path_factory)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+        rng = np.random.default_rng(1)
+        source = Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
+        buf = io.BytesIO()
+        source.save(buf, format="PNG")
+        r = client.images.edit(
+            image=("in.png", buf.getvalue(), "image/png"),
+            prompt="make it blue",
+            extra_body={**STEPS, "seed": 4, "strength": 0.8},
+        )
+        want = reference_pil(folder, "make it blue", 4, image=source, strength=0.8, **STEPS)[0]
+        assert_same_image(decode(r.data[0].b64_json), want)
+        bad = httpx.post(srv.url + "/v1/images/edits", data={"prompt": "x"}, timeout=30)
+        assert bad.status_code == 400 and "image" in bad.json()["error"]["message"]
+        junk = httpx.post(srv.url + "/v1/images/edits", data={"prompt": "x"},
+                          files={"image": ("a.png", b"not an image")}, timeout=30)
+        assert junk.status_code == 400 and "readable" in junk.json()["error"]["message"]
+    finally:
+        assert srv.stop()
