@@ -45,7 +45,7 @@ def family(request, tmp_path_factory):
     folder = make_tiny(request.param, tmp_path_factory.mktemp("dit") / request.param)
     pipe = DiffusionPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
-    engine = AsyncDiffusionEngine(str(folder), EngineOptions(max_batch_size=8))
+    engine = AsyncDiffusionEngine(str(folder), EngineOptions(max_batch_size=8, progress_interval=0))
     yield request.param, pipe, engine
     engine.shutdown()
 
@@ -136,7 +136,7 @@ def test_abort_between_steps_frees_the_slot(tmp_path):
     """With room for one running request, an aborted long request must give its slot to the
     next one, and the engine must stop computing it."""
     folder = make_tiny("flux-tiny", tmp_path / "flux")
-    engine = AsyncDiffusionEngine(str(folder), EngineOptions(max_running=1))
+    engine = AsyncDiffusionEngine(str(folder), EngineOptions(max_running=1, progress_interval=0))
     try:
         core = psutil.Process(engine._proc.pid)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -36,6 +37,9 @@ class EngineOptions:
     max_batch_cost: int = 1 << 62
     max_running: int = 64
     num_threads: int | None = None
+    # Least seconds between two progress outputs of one request: each output wakes the
+    # client, which on a small CPU takes time from the denoising threads.
+    progress_interval: float = 0.25
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
@@ -75,6 +79,8 @@ class EngineCore:
             options.max_batch_size, options.max_batch_cost, options.max_running
         )
         self.running = True
+        self.progress_interval = options.progress_interval
+        self._last_progress: dict[str, float] = {}
 
     def info(self) -> dict[str, Any]:
         a = self.adapter
@@ -93,6 +99,7 @@ class EngineCore:
             self.add(*msg[1:])
         elif kind == "abort":
             self.scheduler.abort(msg[1])
+            self._last_progress.pop(msg[1], None)
         elif kind == "shutdown":
             self.running = False
 
@@ -117,6 +124,7 @@ class EngineCore:
                      "".join(traceback.format_exception(exc)))
         for r in reqs:
             self.scheduler.finish(r)
+            self._last_progress.pop(r.request_id, None)
             self.send(DiffusionOutput(r.request_id, finished=True, error=repr(exc),
                                       error_kind="internal"))
 
@@ -155,8 +163,11 @@ class EngineCore:
             except Exception as e:
                 self.fail(batch, e)
             else:
+                now = time.monotonic()
                 for r in batch:
-                    if not r.denoised:
+                    last = self._last_progress.get(r.request_id, r.arrival_time)
+                    if not r.denoised and now - last >= self.progress_interval:
+                        self._last_progress[r.request_id] = now
                         self.send(DiffusionOutput(r.request_id, r.step, r.num_steps))
         for group in self.scheduler.denoised():
             self.finish(group)
@@ -171,6 +182,7 @@ class EngineCore:
             return
         for r in group:
             self.scheduler.finish(r)
+            self._last_progress.pop(r.request_id, None)
             self.send(DiffusionOutput(
                 r.request_id, r.num_steps, r.num_steps, finished=True, images=r.images,
                 latents=r.latents.clone() if latent_only else None, seed=r.params.seed,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ class DiffusionRequest:
     # Input images (PIL) for pipelines that edit or transform an image.
     input_images: list[Any] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrivals))
+    arrival_time: float = field(default_factory=time.monotonic)
     # Requests with the same key can be denoised in one batched transformer call.
     key: tuple = ()
     # Latent tokens x images: the unit of the scheduler's memory budget.
