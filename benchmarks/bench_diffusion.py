@@ -54,9 +54,10 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--requests", type=int, default=16, help="per round (at least 2x conc.)")
+    ap.add_argument("--requests", type=int, default=16, help="per round (at least the concurrency)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-batch-size", type=int, default=8)
     args = ap.parse_args()
 
     from diffusers import DiffusionPipeline
@@ -67,7 +68,7 @@ def main() -> None:
     pipe.set_progress_bar_config(disable=True)
     worker = ThreadPoolExecutor(1)  # one request at a time, in arrival order
     engine = AsyncDiffusionEngine(
-        folder, EngineOptions(num_threads=args.threads, max_batch_size=16)
+        folder, EngineOptions(num_threads=args.threads, max_batch_size=args.max_batch_size)
     )
     prompts = [f"a picture of thing number {i}" for i in range(256)]
 
@@ -90,7 +91,7 @@ def main() -> None:
         for side in sides.values():  # warm-up
             await closed_loop(side, 2, 2)
         for c in args.concurrency:
-            n = max(args.requests, 2 * c)
+            n = max(args.requests, c)
             for r in range(args.rounds):
                 order = list(sides) if r % 2 == 0 else list(sides)[::-1]
                 for name in order:

@@ -32,7 +32,9 @@ class EngineOptions:
 
     dtype: str = "float32"
     device: str = "cpu"
-    max_batch_size: int = 16
+    # On CPU a batch above ~8 images is slower per image than 8 (measured: flux-tiny 2.5 ms
+    # per image-step at 8, 3.2 at 16); GPUs gain from larger batches: raise it there.
+    max_batch_size: int = 8
     # Latent tokens x images per transformer call; default: no limit beyond batch size.
     max_batch_cost: int = 1 << 62
     max_running: int = 64
