@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -50,7 +51,7 @@ def test_valid_pipeline_loads_in_topological_order(tmp_path):
             ["stage 'first' (stages[0])", "colour", "Extra inputs are not permitted"],
         ),
         (
-            ("engine: ar\n    inputs", "engine: diffusion\n    inputs"),
+            ("engine: ar\n    inputs", "engine: magic\n    inputs"),
             ["stage 'second' (stages[1])", "field engine"],
         ),
         (
@@ -142,3 +143,34 @@ def test_builtin_pipeline_is_picked_by_architecture(tmp_path, monkeypatch):
     # --stage-configs-path wins over the built-in choice
     override = write(tmp_path, TWO_STAGE)
     assert resolve_pipeline(model, override).name == "chain"
+
+
+def _dit_stage(**fields) -> dict:
+    return {"name": "pipeline", "stages": [
+        {"name": "dit", "engine": "diffusion", "output": "image", "final_output": True, **fields}
+    ]}
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({"engine_args": {"max_model_len": 5}}, "unknown diffusion engine options"),
+        ({"sampling_params": {"num_inference_steps": 0}}, "num_inference_steps"),
+        ({"sampling_params": {"temperature": 0.5}}, "temperature"),
+        ({"output": "text"}, "engine 'diffusion' cannot output 'text'"),
+    ],
+)
+def test_diffusion_stage_fields_are_checked(fields, expected):
+    with pytest.raises(PipelineConfigError, match=re.escape(expected)):
+        parse_pipeline(_dit_stage(**fields), "p.yaml")
+    ok = parse_pipeline(
+        _dit_stage(engine_args={"max_batch_size": 4}, sampling_params={"seed": 1}), "p.yaml"
+    )
+    assert ok.stages[0].engine == "diffusion"
+
+
+def test_diffusers_folder_gets_the_diffusion_pipeline(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    pipeline = resolve_pipeline(tmp_path)
+    assert pipeline.name == "diffusion"
+    assert [(s.engine, s.output) for s in pipeline.stages] == [("diffusion", "image")]

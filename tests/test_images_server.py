@@ -158,3 +158,35 @@ def test_images_edit(tmp_path_factory):
         assert junk.status_code == 400 and "readable" in junk.json()["error"]["message"]
     finally:
         assert srv.stop()
+
+
+def test_killed_engine_core_fails_requests_and_health(flux_server):
+    """Last in this module: it kills the server's diffusion engine core."""
+    import concurrent.futures
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    _, srv = flux_server
+    cores = [
+        p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+        if "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    assert len(cores) == 1, [p.cmdline() for p in cores]
+
+    def long_request():
+        body = {"prompt": "x", "size": "256x256", "num_inference_steps": 1000}
+        return httpx.post(srv.url + "/v1/images/generations", json=body, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(long_request)
+        time.sleep(2.0)
+        assert not pending.done()
+        os.kill(cores[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        r = pending.result()
+    assert r.status_code == 503, r.text
+    assert time.monotonic() - start < 10
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 503

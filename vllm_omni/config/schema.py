@@ -78,11 +78,15 @@ class StageConfig(BaseModel):
 
         if info.data.get("engine") == "diffusion":
             from vllm_omni.engine.diffusion.core import EngineOptions as args_class
+
+            kind = "diffusion engine options"
         else:
             from vllm.engine.arg_utils import AsyncEngineArgs as args_class
+
+            kind = "vLLM engine args"
         unknown = sorted(set(value) - {f.name for f in fields(args_class)})
         if unknown:
-            raise ValueError(f"unknown {args_class.__name__} fields {unknown}")
+            raise ValueError(f"unknown {kind} {unknown}")
         return value
 
     @field_validator("sampling_params")
@@ -104,7 +108,7 @@ class StageConfig(BaseModel):
     def _output_matches_engine(self) -> StageConfig:
         if self.output not in ENGINE_OUTPUTS[self.engine]:
             raise ValueError(
-                f"an {self.engine!r} stage cannot output {self.output!r} "
+                f"engine {self.engine!r} cannot output {self.output!r} "
                 f"(it can output {sorted(ENGINE_OUTPUTS[self.engine])})"
             )
         if self.inputs and self.input_processor is None:
