@@ -199,3 +199,21 @@ def test_engine_start_failure_is_reported(tmp_path):
 
     with pytest.raises(DiffusionStartError, match="NoSuchPipeline|failed"):
         AsyncDiffusionEngine(str(tmp_path))
+
+
+def test_latent_output_goes_through_shared_memory(family):
+    from vllm_omni.orchestrator.connectors import SharedMemoryConnector
+
+    name, pipe, engine = family
+
+    async def last():
+        params = {**SIZE, "seed": 3, "num_inference_steps": 3, "output": "latent"}
+        outs = [out async for out in engine.generate("lat", "a red cat", params)]
+        return outs[-1]
+
+    out = run_sync(last())
+    assert out.images is None
+    got = SharedMemoryConnector().get(out.latents)["latents"]
+    want = pipe("a red cat", generator=torch.Generator().manual_seed(3), num_inference_steps=3,
+                output_type="latent", **SIZE).images
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -18,6 +18,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_omni.engine.diffusion.core import DiffusionOutput, EngineOptions, run_engine_core
 from vllm_omni.engine.diffusion.params import DiffusionParams
+from vllm_omni.orchestrator.connectors import SharedMemoryConnector
 
 
 class DiffusionStartError(RuntimeError):
@@ -70,6 +71,8 @@ class AsyncDiffusionEngine:
                 if entry is not None:
                     loop, queue = entry
                     loop.call_soon_threadsafe(queue.put_nowait, out)
+                elif out.latents is not None:  # its request is gone: free the segment
+                    SharedMemoryConnector().discard(out.latents)
         except (EOFError, OSError):
             self._dead = f"diffusion engine core (pid {self._proc.pid}) is gone"
             for loop, queue in list(self._requests.values()):
@@ -88,7 +91,8 @@ class AsyncDiffusionEngine:
         params: DiffusionParams | dict[str, Any] | None = None,
         images: list[Any] | None = None,
     ) -> AsyncIterator[DiffusionOutput]:
-        """Progress outputs (step / num_steps), then the finished one with images or latents.
+        """Progress outputs (step / num_steps), then the finished one with images, or with
+        latents as a shared-memory handle (`SharedMemoryConnector().get(out.latents)`).
 
         Raises ValueError for parameters the model refuses, RuntimeError when the engine
         fails the request, EngineDeadError when the core process is gone.

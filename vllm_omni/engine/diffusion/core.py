@@ -22,6 +22,7 @@ import numpy as np
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 from vllm_omni.engine.diffusion.scheduler import DiffusionScheduler
+from vllm_omni.orchestrator.connectors import SharedMemoryConnector
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class DiffusionOutput:
     num_steps: int = 0
     finished: bool = False
     images: list[np.ndarray] | None = None
+    # A shared-memory handle ({"latents": tensor}): latents go to the next stage without
+    # passing through the API process's pipe.
     latents: Any = None
     seed: int | None = None
     error: str | None = None
@@ -81,6 +84,7 @@ class EngineCore:
             options.max_batch_size, options.max_batch_cost, options.max_running
         )
         self.running = True
+        self.connector = SharedMemoryConnector(prefix="omni-dit")
         self.progress_interval = options.progress_interval
         self._last_progress: dict[str, float] = {}
 
@@ -187,7 +191,8 @@ class EngineCore:
             self._last_progress.pop(r.request_id, None)
             self.send(DiffusionOutput(
                 r.request_id, r.num_steps, r.num_steps, finished=True, images=r.images,
-                latents=r.latents.clone() if latent_only else None, seed=r.params.seed,
+                latents=self.connector.put({"latents": r.latents}) if latent_only else None,
+                seed=r.params.seed,
             ))
 
 

@@ -98,8 +98,8 @@ class DiffusionStage:
                 result.images = [to_pil(i) for i in out.images or []]
                 if out.images is not None:  # the exact float images, beside the 8-bit PIL ones
                     result.tensors = {"images": torch.from_numpy(np.stack(out.images))}
-                if out.latents is not None:
-                    result.tensors = {"latents": out.latents}
+                if out.latents is not None:  # resolved only where a caller receives them
+                    result.tensor_handles = {"latents": out.latents}
                 IMAGES.labels(self.name).inc(params.num_images)
             yield result
 
