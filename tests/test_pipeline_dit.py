@@ -1,5 +1,5 @@
-"""A three-stage pipeline across both engines: LLM -> LLM -> DiT (text to a better prompt to
-an image), against the same three steps run by hand with vLLM and diffusers."""
+"""A three-stage pipeline across both engines: LLM -> LLM -> DiT, where the DiT fans in both
+LLMs' texts, against the same three steps run by hand with vLLM and diffusers."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ stages:
   - name: dit
     engine: diffusion
     model: {dit}
-    inputs: [second]
-    input_processor: vllm_omni.processors:upstream_text
+    inputs: [first, second]
+    input_processor: vllm_omni.processors:joined_text
     sampling_params: {{height: 64, width: 64, num_inference_steps: 3, seed: 9}}
     output: image
     final_output: true
@@ -69,9 +69,10 @@ def test_three_stages_equal_the_steps_by_hand(three_stage, vllm_llm, dit_folder)
     pipe.set_progress_bar_config(disable=True)
     texts = [o.text for o in outs if o.stage == "second"]
     images = [o.tensors["images"][0].numpy() for o in outs if o.stage == "dit"]
-    for text, image, ref in zip(texts, images, second, strict=True):
-        assert text == ref.outputs[0].text
-        want = pipe(ref.outputs[0].text, height=64, width=64, num_inference_steps=3,
+    for text, image, ref1, ref2 in zip(texts, images, first, second, strict=True):
+        assert text == ref2.outputs[0].text
+        joined = ref1.outputs[0].text + "\n\n" + ref2.outputs[0].text
+        want = pipe(joined, height=64, width=64, num_inference_steps=3,
                     generator=torch.Generator().manual_seed(9), output_type="np").images[0]
         np.testing.assert_allclose(image, want, atol=1e-4, rtol=0)
 

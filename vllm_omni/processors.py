@@ -19,6 +19,12 @@ def upstream_text(upstream: dict[str, OmniRequestOutput], prompt: Any) -> dict[s
     return {"prompt": out.text or ""}
 
 
+def joined_text(upstream: dict[str, OmniRequestOutput], prompt: Any) -> dict[str, str]:
+    """Fan-in: the texts of every upstream stage, in the order of the stage's `inputs`,
+    joined by a blank line."""
+    return {"prompt": "\n\n".join(out.text or "" for out in upstream.values())}
+
+
 def upstream_token_ids(upstream: dict[str, OmniRequestOutput], prompt: Any) -> dict[str, list]:
     """The token ids of the (single) upstream stage, as a token prompt."""
     if len(upstream) != 1:
