@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni.engine.diffusion.batch_sizer import BatchSizer
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 from vllm_omni.engine.diffusion.scheduler import DiffusionScheduler
@@ -39,6 +40,8 @@ class EngineOptions:
     # Latent tokens x images per transformer call; default: no limit beyond batch size.
     max_batch_cost: int = 1 << 62
     max_running: int = 64
+    # Learn per shape the batch size past which batching stops paying (see BatchSizer).
+    adaptive_batch: bool = True
     num_threads: int | None = None
     # Least seconds between two progress outputs of one request: each output wakes the
     # client, which on a small CPU takes time from the denoising threads.
@@ -80,8 +83,9 @@ class EngineCore:
         pipe.to(options.device)
         self.adapter = adapter_for(pipe)
         self.defaults = options.defaults
+        sizer = BatchSizer(options.max_batch_size) if options.adaptive_batch else None
         self.scheduler = DiffusionScheduler(
-            options.max_batch_size, options.max_batch_cost, options.max_running
+            options.max_batch_size, options.max_batch_cost, options.max_running, sizer
         )
         self.running = True
         self.connector = SharedMemoryConnector(prefix="omni-dit")
@@ -164,11 +168,15 @@ class EngineCore:
                     self.fail([r], e)
         batch = self.scheduler.pick_batch()
         if batch:
+            start = time.perf_counter()
             try:
                 self.adapter.denoise(batch)
             except Exception as e:
                 self.fail(batch, e)
             else:
+                if self.scheduler.sizer is not None and self.adapter.step_level:
+                    images = sum(r.params.num_images for r in batch)
+                    self.scheduler.sizer.record(batch[0].key, images, time.perf_counter() - start)
                 now = time.monotonic()
                 for r in batch:
                     last = self._last_progress.get(r.request_id, r.arrival_time)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from vllm_omni.engine.diffusion.batch_sizer import BatchSizer
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 
 
@@ -21,10 +22,18 @@ class DiffusionScheduler:
         max_batch_cost: most latent tokens (x images) in one call: the memory budget of a
             step's activations.
         max_running: most requests holding latents at once (their memory stays allocated).
+        sizer: lowers the batch limit where bigger batches stop paying (see BatchSizer).
     """
 
-    def __init__(self, max_batch_size: int, max_batch_cost: int, max_running: int) -> None:
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_batch_cost: int,
+        max_running: int,
+        sizer: BatchSizer | None = None,
+    ) -> None:
         self.max_batch_size = max_batch_size
+        self.sizer = sizer
         self.max_batch_cost = max_batch_cost
         self.max_running = max_running
         self.waiting: deque[DiffusionRequest] = deque()
@@ -68,12 +77,15 @@ class DiffusionScheduler:
         if not todo:
             return []
         key = todo[0].key
+        limit = self.max_batch_size
+        if self.sizer is not None:
+            limit = min(limit, self.sizer.limit(key))
         batch, size, cost = [], 0, 0
         for r in todo:
             if r.key != key:
                 continue
             n = r.params.num_images
-            if batch and (size + n > self.max_batch_size or cost + r.cost > self.max_batch_cost):
+            if batch and (size + n > limit or cost + r.cost > self.max_batch_cost):
                 break
             batch.append(r)
             size += n
