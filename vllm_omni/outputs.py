@@ -29,7 +29,9 @@ class OmniRequestOutput:
     - ``text`` / ``tokens``: ``completions`` holds vLLM's ``CompletionOutput`` per choice
       (text, token_ids, finish_reason, logprobs). While streaming (``RequestOutputKind.DELTA``)
       each output carries only the new text and tokens; otherwise the whole text so far.
-    - ``image``: ``images`` holds PIL images (one per requested image).
+    - ``image``: ``images`` holds PIL images (one per requested image) and
+      ``tensors["images"]`` the float images they were rounded from (N, H, W, 3 in [0, 1]);
+      ``metrics`` has ``step`` / ``num_steps`` (progress while not finished) and ``seed``.
     - ``audio``: ``audio`` holds the waveform chunk (streaming) or the whole waveform.
     - ``latent`` / ``hidden_states``: ``tensors`` holds named tensors (for hidden states:
       ``hidden_states``, one row per prompt token then one per decode step, as HF's last
