@@ -19,7 +19,7 @@ def doomed_server(tmp_path_factory):
     """`vllm serve --omni` with no model: the built-in default, made on first use."""
     folder = tmp_path_factory.mktemp("doomed")
     srv = ServerProcess(
-        ["--max-model-len", "2048"],
+        ["--max-model-len", "4096"],
         folder / "server.log",
         env={"VLLM_OMNI_CACHE_DIR": str(folder / "cache")},
     )
@@ -44,7 +44,7 @@ def test_dead_engine_fails_in_flight_requests_and_health(doomed_server):
     body = {
         "messages": [{"role": "user", "content": "hi"}],
         "stream": True,
-        "max_tokens": 1900,
+        "max_tokens": 4000,
         "ignore_eos": True,
     }
     events: list[str] = []
@@ -57,14 +57,16 @@ def test_dead_engine_fails_in_flight_requests_and_health(doomed_server):
                     events.append(line[6:])
                     started.set()
 
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert started.wait(60)
+    # Found first: on an idle machine the tiny model decodes thousands of tokens a second, so
+    # the kill must follow the first token at once to land mid-request.
     engine = next(
         p
         for p in psutil.Process(srv.proc.pid).children(recursive=True)
         if "EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM::Engine")
     )
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
     os.kill(engine.pid, signal.SIGKILL)
 
     reader.join(30)
