@@ -19,7 +19,9 @@ def doomed_server(tmp_path_factory):
     """`vllm serve --omni` with no model: the built-in default, made on first use."""
     folder = tmp_path_factory.mktemp("doomed")
     srv = ServerProcess(
-        ["--max-model-len", "4096"],
+        # Eager mode decodes slower (~ms a step), so a 4000-token request is surely still
+        # running when the engine is killed; compiled, the tiny model can finish first.
+        ["--max-model-len", "4096", "--enforce-eager"],
         folder / "server.log",
         env={"VLLM_OMNI_CACHE_DIR": str(folder / "cache")},
     )
