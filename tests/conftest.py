@@ -3,6 +3,7 @@ once per session and shared."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -45,6 +46,20 @@ def omni_llm(tiny_qwen2):
     llm = OmniLLM(tiny_qwen2, max_model_len=MAX_MODEL_LEN)
     yield llm
     llm.shutdown()
+
+
+@contextlib.contextmanager
+def pipeline_llm(model: str, pipeline_yaml: str, folder: Path, **kwargs):
+    """An OmniLLM over a pipeline written to `folder` as YAML; shut down on exit."""
+    from vllm_omni import OmniLLM
+
+    path = folder / "pipeline.yaml"
+    path.write_text(pipeline_yaml)
+    llm = OmniLLM(model, stage_configs_path=str(path), **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
 
 
 def free_port() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import pipeline_llm
 from vllm import SamplingParams
 
 PROMPTS = ["Hello, my name is", "Tell me a story about a cat and a dog", "one"]
@@ -21,13 +22,9 @@ stages:
 
 @pytest.fixture(scope="module")
 def hidden_llm(tiny_qwen2, tmp_path_factory):
-    from vllm_omni import OmniLLM
-
-    path = tmp_path_factory.mktemp("hidden") / "pipeline.yaml"
-    path.write_text(PIPELINE)
-    llm = OmniLLM(tiny_qwen2, stage_configs_path=str(path), max_model_len=512)
-    yield llm
-    llm.shutdown()
+    with pipeline_llm(tiny_qwen2, PIPELINE, tmp_path_factory.mktemp("hidden"),
+                      max_model_len=512) as llm:
+        yield llm
 
 
 def test_hidden_states_equal_hf(hidden_llm, tiny_qwen2):

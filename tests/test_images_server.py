@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import io
 
 import httpx
@@ -37,11 +38,17 @@ def decode(b64: str) -> Image.Image:
     return Image.open(io.BytesIO(base64.b64decode(b64)))
 
 
-def reference_pil(folder, prompt: str, seed: int, n: int = 1, **kw) -> list[Image.Image]:
+@functools.cache
+def reference_pipeline(folder):
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def reference_pil(folder, prompt: str, seed: int, n: int = 1, **kw) -> list[Image.Image]:
+    pipe = reference_pipeline(folder)
     gen = torch.Generator().manual_seed(seed)
     return pipe(prompt, generator=gen, num_images_per_prompt=n, **kw).images
 

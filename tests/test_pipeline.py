@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import MAX_MODEL_LEN
+from conftest import MAX_MODEL_LEN, pipeline_llm
 from vllm import SamplingParams
 
 from vllm_omni.errors import StageError, StageStartError
@@ -31,13 +31,9 @@ stages:
 
 @pytest.fixture(scope="module")
 def chain_llm(tiny_qwen2, tmp_path_factory):
-    from vllm_omni import OmniLLM
-
-    path = tmp_path_factory.mktemp("pipelines") / "chain.yaml"
-    path.write_text(CHAIN)
-    llm = OmniLLM(tiny_qwen2, stage_configs_path=str(path), max_model_len=MAX_MODEL_LEN)
-    yield llm
-    llm.shutdown()
+    with pipeline_llm(tiny_qwen2, CHAIN, tmp_path_factory.mktemp("pipelines"),
+                      max_model_len=MAX_MODEL_LEN) as llm:
+        yield llm
 
 
 def test_chain_equals_running_the_steps_by_hand(chain_llm, vllm_llm):

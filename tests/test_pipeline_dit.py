@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import MAX_MODEL_LEN
+from conftest import MAX_MODEL_LEN, pipeline_llm
 from vllm import SamplingParams
 
 from vllm_omni.testing.tiny_models import make_tiny
@@ -47,13 +47,9 @@ def dit_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def three_stage(tiny_qwen2, dit_folder, tmp_path_factory):
-    from vllm_omni import OmniLLM
-
-    path = tmp_path_factory.mktemp("pipelines") / "p2i.yaml"
-    path.write_text(PIPELINE.format(dit=dit_folder))
-    llm = OmniLLM(tiny_qwen2, stage_configs_path=str(path), max_model_len=MAX_MODEL_LEN)
-    yield llm
-    llm.shutdown()
+    with pipeline_llm(tiny_qwen2, PIPELINE.format(dit=dit_folder),
+                      tmp_path_factory.mktemp("pipelines"), max_model_len=MAX_MODEL_LEN) as llm:
+        yield llm
 
 
 def test_three_stages_equal_the_steps_by_hand(three_stage, vllm_llm, dit_folder):

@@ -95,15 +95,16 @@ class OmniLLM:
         use_tqdm: bool,
     ) -> list[OmniRequestOutput]:
         bar = tqdm(total=len(prompts), desc="Requests", disable=not use_tqdm, dynamic_ncols=True)
-        steps = {"done": 0}
+        steps_done = 0
 
         async def one(prompt: PromptType, request_id: str) -> list[OmniRequestOutput]:
+            nonlocal steps_done
             finals, seen = [], 0
             async for out in self.engine.generate(prompt, params, request_id):
                 if "step" in out.metrics:  # a diffusion stage's progress: denoising steps
-                    steps["done"] += out.metrics["step"] - seen
+                    steps_done += out.metrics["step"] - seen
                     seen = out.metrics["step"]
-                    bar.set_postfix_str(f"{steps['done']} denoising steps", refresh=False)
+                    bar.set_postfix_str(f"{steps_done} denoising steps", refresh=False)
                 if out.finished:
                     finals.append(out)
             bar.update(1)

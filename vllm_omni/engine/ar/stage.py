@@ -15,6 +15,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.ar.hidden_states import REQUEST_KEY, handle_from_rpc, worker_class_path
+from vllm_omni.engine.stage import EngineStage
 from vllm_omni.outputs import OmniRequestOutput
 
 _ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
@@ -49,7 +50,7 @@ def is_engine_input(prompt: object) -> bool:
     return isinstance(prompt, dict) and "type" in prompt
 
 
-class ARStage:
+class ARStage(EngineStage):
     def __init__(
         self,
         config: StageConfig,
@@ -131,16 +132,3 @@ class ARStage:
         replies = await self.engine.collective_rpc("take_hidden_states", args=(key,))
         found = [r for r in replies if r is not None]
         return {"hidden_states": handle_from_rpc(found[0])} if found else {}
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
-
-    async def check_health(self) -> None:
-        await self.engine.check_health()
-
-    @property
-    def errored(self) -> bool:
-        return self.engine.errored
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()

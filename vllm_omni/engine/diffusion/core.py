@@ -143,7 +143,7 @@ class EngineCore:
     def run(self) -> None:
         import torch
 
-        with torch.inference_mode():
+        with torch.inference_mode():  # every adapter call below runs without autograd
             while self.running:
                 # Block for messages only when idle; between steps, just drain them.
                 if not self.scheduler.has_work:

@@ -16,6 +16,7 @@ from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.diffusion.client import AsyncDiffusionEngine
 from vllm_omni.engine.diffusion.core import EngineOptions
 from vllm_omni.engine.diffusion.params import DiffusionParams
+from vllm_omni.engine.stage import EngineStage
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def to_pil(image: np.ndarray):
     return Image.fromarray((image * 255).round().astype("uint8"))
 
 
-class DiffusionStage:
+class DiffusionStage(EngineStage):
     def __init__(self, config: StageConfig, model: str, engine_kwargs: dict[str, Any]) -> None:
         self.config = config
         self.name = config.name
@@ -102,16 +103,3 @@ class DiffusionStage:
                     result.tensor_handles = {"latents": out.latents}
                 IMAGES.labels(self.name).inc(params.num_images)
             yield result
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
-
-    async def check_health(self) -> None:
-        await self.engine.check_health()
-
-    @property
-    def errored(self) -> bool:
-        return self.engine.errored
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()

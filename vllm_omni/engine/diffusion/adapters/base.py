@@ -187,7 +187,6 @@ class StepAdapter:
             r.latents = r.scheduler.step(noise, t_r, r.latents, return_dict=False)[0]
             r.step += 1
 
-    @torch.no_grad()
     def decode(self, reqs: list[DiffusionRequest]) -> None:
         """VAE-decode finished requests (same size) into float HWC images in [0, 1]."""
         p = reqs[0].params

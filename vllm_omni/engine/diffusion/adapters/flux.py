@@ -15,7 +15,6 @@ class FluxAdapter(StepAdapter):
     def size_multiple(self) -> int:
         return self.pipe.vae_scale_factor * 2
 
-    @torch.no_grad()
     def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
         embeds, pooled, _ = self.pipe.encode_prompt(
             prompt=texts, prompt_2=None, device=self.device,

@@ -21,7 +21,6 @@ class QwenImageAdapter(StepAdapter):
         # Rescale so the guided prediction keeps the conditional one's norm, as the pipeline.
         return mixed * (pos.norm(dim=-1, keepdim=True) / mixed.norm(dim=-1, keepdim=True))
 
-    @torch.no_grad()
     def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
         embeds, mask = self.pipe.encode_prompt(
             prompt=texts, device=self.device, max_sequence_length=self.max_sequence_length

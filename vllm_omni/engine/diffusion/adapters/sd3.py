@@ -33,7 +33,6 @@ class SD3Adapter(StepAdapter):
         scale = self._per_row([r.params.guidance_scale for r in reqs], rows, pos)
         return neg + scale * (pos - neg)
 
-    @torch.no_grad()
     def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
         embeds, _, pooled, _ = self.pipe.encode_prompt(
             prompt=texts, prompt_2=None, prompt_3=None, device=self.device,

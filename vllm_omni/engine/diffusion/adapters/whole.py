@@ -56,7 +56,6 @@ class WholeRequestAdapter:
         req.key = (tuple(sorted(settings.items())), alone)
         req.cost = p.num_images
 
-    @torch.no_grad()
     def denoise(self, reqs: list[DiffusionRequest]) -> None:
         p = reqs[0].params
         kwargs = p.model_dump(include=set(_CALL_FIELDS) & self.accepted, exclude_none=True)
