@@ -48,6 +48,8 @@ class AsyncOmniLLM:
         stage_configs_path: a pipeline YAML; default: the built-in pipeline for the model's
             HF architecture, or the one-stage LLM pipeline.
         pipeline: an already loaded pipeline config (instead of `stage_configs_path`).
+        cache_config: step caching for every diffusion stage (CacheConfig's fields, over
+            the stage's own); requests may override it field by field.
         **engine_kwargs: vLLM engine args applied to every AR stage (dtype, max_model_len...);
             diffusion stages take the ones that apply to them (dtype).
     """
@@ -59,9 +61,11 @@ class AsyncOmniLLM:
         stage_configs_path: str | None = None,
         pipeline: PipelineConfig | None = None,
         usage_context: UsageContext = UsageContext.OPENAI_API_SERVER,
+        cache_config: dict[str, Any] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         self.model = model
+        self._cache_config = cache_config
         self.pipeline = pipeline or resolve_pipeline(model, stage_configs_path)
         self.order = self.pipeline.topological_order()
         self.stages: dict[str, Stage] = {}
@@ -83,7 +87,7 @@ class AsyncOmniLLM:
                 self.pipeline.name,
             )
             if stage.engine == "diffusion":
-                return DiffusionStage(stage, self.model, engine_kwargs)
+                return DiffusionStage(stage, self.model, engine_kwargs, self._cache_config)
             return ARStage(
                 stage, stage_engine_args(self.model, stage, engine_kwargs), usage_context
             )

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from vllm_omni.engine.diffusion.batch_sizer import BatchSizer
+from vllm_omni.engine.diffusion.cache import CacheConfig
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 from vllm_omni.engine.diffusion.scheduler import DiffusionScheduler
@@ -62,6 +63,8 @@ class DiffusionOutput:
     # passing through the API process's pipe.
     latents: Any = None
     seed: int | None = None
+    # Step-cache stats of a finished request: method, computed_steps, cached_steps.
+    cache: dict[str, Any] | None = None
     error: str | None = None
     # "invalid": the request's parameters (a caller error); "internal": the engine failed.
     error_kind: str | None = None
@@ -83,6 +86,9 @@ class EngineCore:
         pipe.to(options.device)
         self.adapter = adapter_for(pipe)
         self.defaults = options.defaults
+        if self.defaults.get("cache") is not None:
+            # The server-wide cache setting must fit the model: fail at start, not per request.
+            self.adapter.check_cache(CacheConfig(**self.defaults["cache"]))
         sizer = BatchSizer(options.max_batch_size) if options.adaptive_batch else None
         self.scheduler = DiffusionScheduler(
             options.max_batch_size, options.max_batch_cost, options.max_running, sizer
@@ -200,7 +206,7 @@ class EngineCore:
             self.send(DiffusionOutput(
                 r.request_id, r.num_steps, r.num_steps, finished=True, images=r.images,
                 latents=self.connector.put({"latents": r.latents}) if latent_only else None,
-                seed=r.params.seed,
+                seed=r.params.seed, cache=r.cache_stats(),
             ))
 
 

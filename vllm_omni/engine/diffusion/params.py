@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from vllm_omni.engine.diffusion.cache.config import CacheConfig
+
 
 class DiffusionParams(BaseModel):
     """What a caller may set per request; None means the model's (pipeline's) default.
@@ -28,6 +30,8 @@ class DiffusionParams(BaseModel):
     # How far an input image is noised before denoising (image-to-image pipelines).
     strength: float | None = Field(default=None, gt=0.0, le=1.0)
     output: Literal["image", "latent"] = "image"
+    # Step caching; fields given here override the server's --cache-config field by field.
+    cache: CacheConfig | None = None
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> DiffusionParams:
@@ -39,5 +43,8 @@ class DiffusionParams(BaseModel):
             raise ValueError("; ".join(problems)) from None
 
     def merged(self, defaults: dict) -> DiffusionParams:
-        """These params over a stage's defaults (fields set here win)."""
-        return DiffusionParams.parse({**defaults, **self.model_dump(exclude_unset=True)})
+        """These params over a stage's defaults (fields set here win, `cache` field by field)."""
+        given = self.model_dump(exclude_unset=True)
+        if isinstance(defaults.get("cache"), dict) and "cache" in given:
+            given["cache"] = {**defaults["cache"], **(given["cache"] or {"method": "none"})}
+        return DiffusionParams.parse({**defaults, **given})

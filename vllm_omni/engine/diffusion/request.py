@@ -38,6 +38,18 @@ class DiffusionRequest:
     timesteps: torch.Tensor | None = None
     step: int = 0
     images: list[np.ndarray] | None = None
+    # Step-cache state, one slot per image and guidance branch (cond rows first).
+    cache_slots: list[Any] = field(default_factory=list)
+
+    def cache_stats(self) -> dict[str, Any] | None:
+        """Steps computed / reused, summed over the request's images and guidance branches."""
+        if not self.cache_slots:
+            return None
+        return {
+            "method": self.cache_slots[0].config.method,
+            "computed_steps": sum(s.computed for s in self.cache_slots),
+            "cached_steps": sum(s.cached for s in self.cache_slots),
+        }
 
     @property
     def num_steps(self) -> int:

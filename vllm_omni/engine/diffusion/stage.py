@@ -33,8 +33,11 @@ _OPTION_NAMES = {f.name for f in dataclasses.fields(EngineOptions)}
 _SHARED_ARGS = {"dtype"}
 
 
-def engine_options(stage: StageConfig, engine_kwargs: dict[str, Any]) -> EngineOptions:
-    """Options from the stage's YAML `engine_args`, then the caller's shared args (dtype)."""
+def engine_options(
+    stage: StageConfig, engine_kwargs: dict[str, Any], cache_config: dict[str, Any] | None = None
+) -> EngineOptions:
+    """Options from the stage's YAML `engine_args`, then the caller's shared args (dtype);
+    `cache_config` (the server's step caching) over the stage's default `cache` params."""
     given = {k: v for k, v in engine_kwargs.items() if k in _SHARED_ARGS}
     ignored = sorted(set(engine_kwargs) - _SHARED_ARGS)
     if ignored:
@@ -42,7 +45,10 @@ def engine_options(stage: StageConfig, engine_kwargs: dict[str, Any]) -> EngineO
     options = {**stage.engine_args, **given}
     if options.get("dtype") in (None, "auto"):
         options["dtype"] = "float32"
-    options["defaults"] = {**stage.sampling_params, **options.get("defaults", {})}
+    defaults = {**stage.sampling_params, **options.get("defaults", {})}
+    if cache_config:
+        defaults["cache"] = {**(defaults.get("cache") or {}), **cache_config}
+    options["defaults"] = defaults
     return EngineOptions(**options)
 
 
@@ -64,10 +70,16 @@ def to_pil(image: np.ndarray):
 
 
 class DiffusionStage(EngineStage):
-    def __init__(self, config: StageConfig, model: str, engine_kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        config: StageConfig,
+        model: str,
+        engine_kwargs: dict[str, Any],
+        cache_config: dict[str, Any] | None = None,
+    ) -> None:
         self.config = config
         self.name = config.name
-        options = engine_options(config, engine_kwargs)
+        options = engine_options(config, engine_kwargs, cache_config)
         self.engine = AsyncDiffusionEngine(config.model or model, options)
         logger.info("stage %r serves %s", self.name, self.engine.info)
 
@@ -93,7 +105,8 @@ class DiffusionStage(EngineStage):
                 output_type=self.config.output,
                 finished=out.finished,
                 prompt=text,
-                metrics={"step": out.step, "num_steps": out.num_steps, "seed": out.seed},
+                metrics={"step": out.step, "num_steps": out.num_steps, "seed": out.seed,
+                         "cache": out.cache},
             )
             if out.finished:
                 result.images = [to_pil(i) for i in out.images or []]

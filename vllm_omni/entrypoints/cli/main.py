@@ -26,7 +26,47 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="Pipeline YAML to use instead of the built-in pipeline for the model.",
     )
+    parser.add_argument(
+        "--cache-backend",
+        choices=["none", "teacache", "block"],
+        default=None,
+        help="Step caching for diffusion stages (teacache: skip all blocks; block: always run "
+        "the first/last blocks, skip the middle). Requests may override it.",
+    )
+    parser.add_argument(
+        "--cache-config",
+        default=None,
+        help='JSON of cache settings, e.g. \'{"threshold": 0.1, "warmup_steps": 2}\' '
+        "(see docs/design/diffusion-cache.md).",
+    )
     return parser
+
+
+def cache_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--cache-backend / --cache-config as one validated dict (None: not set)."""
+    import json
+
+    from pydantic import ValidationError
+
+    from vllm_omni.engine.diffusion.cache import CacheConfig
+
+    if args.cache_backend is None and args.cache_config is None:
+        return None
+    try:
+        config = json.loads(args.cache_config or "{}")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--cache-config is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise SystemExit("--cache-config must be a JSON object")
+    if args.cache_backend is not None:
+        config["method"] = args.cache_backend
+    elif "method" not in config:
+        raise SystemExit("--cache-config needs --cache-backend (or a 'method' field)")
+    try:
+        CacheConfig(**config)
+    except ValidationError as e:
+        raise SystemExit(f"--cache-config: {e}") from None
+    return config
 
 
 def _make_tiny_parser(sub) -> None:
@@ -65,6 +105,7 @@ def serve(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
         args.model = str(get_or_make(DEFAULT_MODEL))
         logger.info("No model given: serving the built-in tiny default %s", args.model)
     validate_parsed_serve_args(args)
+    args.cache_config = cache_config(args)
     run_server(args, explicit_engine_kwargs(args, defaults))
 
 

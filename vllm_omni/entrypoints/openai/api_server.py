@@ -253,7 +253,12 @@ async def serve_http(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
     from vllm.renderers.chat_utils import load_chat_template
 
     # Built inside the running loop, as vLLM builds its AsyncLLM, so its sockets bind to it.
-    omni = AsyncOmniLLM(args.model, stage_configs_path=args.stage_configs_path, **engine_kwargs)
+    omni = AsyncOmniLLM(
+        args.model,
+        stage_configs_path=args.stage_configs_path,
+        cache_config=getattr(args, "cache_config", None),
+        **engine_kwargs,
+    )
     try:
         names = args.served_model_name or [args.model]
         serving = OpenAIServing(

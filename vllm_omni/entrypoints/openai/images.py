@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import time
 from http import HTTPStatus
 from typing import Any, Literal
@@ -40,6 +41,14 @@ class ImageGenerationRequest(BaseModel):
     true_cfg_scale: float | None = None
     seed: int | None = None
     strength: float | None = None
+    # Step caching for this request (CacheConfig's fields; over the server's --cache-config).
+    cache: dict[str, Any] | None = None
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache(cls, value: Any) -> Any:
+        # A multipart form (images/edits) carries it as JSON text.
+        return json.loads(value) if isinstance(value, str) else value
 
     @field_validator("size")
     @classmethod
@@ -54,7 +63,7 @@ class ImageGenerationRequest(BaseModel):
     def diffusion_params(self) -> dict[str, Any]:
         params = self.model_dump(
             include={"negative_prompt", "num_inference_steps", "guidance_scale",
-                     "true_cfg_scale", "seed", "strength"},
+                     "true_cfg_scale", "seed", "strength", "cache"},
             exclude_none=True,
         )
         if self.size:
@@ -148,6 +157,7 @@ class ImageServing:
             "output_format": request.output_format,
             "size": f"{out.images[0].width}x{out.images[0].height}" if out.images else None,
             "seed": out.metrics.get("seed"),
+            "cache": out.metrics.get("cache"),
         }
 
     async def generations(self, request: ImageGenerationRequest, request_id: str) -> dict:

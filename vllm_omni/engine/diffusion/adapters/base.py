@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
+from vllm_omni.engine.diffusion.cache import CacheConfig, CacheSlot, DiTCacheManager
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 
@@ -43,7 +44,11 @@ class StepAdapter:
         self.device = pipe._execution_device
         self.dtype = pipe.transformer.dtype
         call = inspect.signature(type(pipe).__call__).parameters
-        size = pipe.default_sample_size * pipe.vae_scale_factor
+        # The size the model was trained at, where its VAE records it (real Flux / SD3 VAEs
+        # say 1024, the pipelines' default too); else the pipeline's default.
+        size = getattr(pipe.vae.config, "sample_size", None)
+        if not isinstance(size, int):
+            size = pipe.default_sample_size * pipe.vae_scale_factor
         # The pipeline's own defaults, read from its signature, so they cannot drift.
         self.defaults: dict[str, Any] = {
             "height": size,
@@ -54,6 +59,7 @@ class StepAdapter:
             "seed": None,
         }
         self.max_sequence_length = call["max_sequence_length"].default
+        self.cache = DiTCacheManager(pipe.transformer, self.modulated_input)
 
     # -- per family --------------------------------------------------------------------
 
@@ -74,6 +80,11 @@ class StepAdapter:
 
     def latents_to_image(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def modulated_input(self, block, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """The first block's timestep-modulated input (TeaCache's signal)."""
+        norm = block.norm1 if hasattr(block, "norm1") else block.norm
+        return norm(hidden, emb=temb)[0]
 
     def shift_mu(self, req: DiffusionRequest) -> float | None:
         """The resolution-dependent timestep shift (None where the scheduler has none)."""
@@ -110,6 +121,8 @@ class StepAdapter:
         if given is not None and given > 1 and not params.negative_prompt:
             raise ValueError("true_cfg_scale > 1 needs a negative_prompt")
         p = params.merged({k: v for k, v in self.defaults.items() if v is not None})
+        if p.cache is not None:
+            self.check_cache(p.cache)
         for name in ("height", "width"):
             value = getattr(p, name)
             if value % self.size_multiple:
@@ -117,6 +130,9 @@ class StepAdapter:
                     f"{name} must be a multiple of {self.size_multiple} for this model, got {value}"
                 )
         return p
+
+    def check_cache(self, config: CacheConfig) -> None:
+        self.cache.check(config, type(self.pipe).__name__)
 
     def check_inputs(self, images: list) -> None:
         if images:
@@ -154,6 +170,9 @@ class StepAdapter:
             **kwargs,
         )
         req.scheduler.set_begin_index(0)
+        if p.cache is not None and p.cache.enabled:
+            branches = 2 if self.uses_cfg(p) else 1
+            req.cache_slots = [CacheSlot(p.cache) for _ in range(branches * p.num_images)]
         req.key = self.batch_key(req)
         req.cost = self.image_seq_len(p.height, p.width) * p.num_images
 
@@ -169,19 +188,23 @@ class StepAdapter:
         t = t.to(latents.dtype)
         cfg = self.uses_cfg(reqs[0].params)
         conds = [r.cond for r in reqs]
+        slots = self._cache_slots(reqs, rows, branch=0)
         if cfg:
             # Both guidance branches in one call: rows are independent in the transformer.
-            pred = self.predict(
-                torch.cat([latents, latents]),
-                torch.cat([t, t]),
-                conds + [r.uncond for r in reqs],
-                reqs + reqs,
-                rows + rows,
-            )
+            slots += self._cache_slots(reqs, rows, branch=1)
+            with self.cache.step(slots, torch.cat([t, t]).tolist()):
+                pred = self.predict(
+                    torch.cat([latents, latents]),
+                    torch.cat([t, t]),
+                    conds + [r.uncond for r in reqs],
+                    reqs + reqs,
+                    rows + rows,
+                )
             pos, neg = pred.chunk(2)
             pred = self.combine(pos, neg, reqs, rows)
         else:
-            pred = self.predict(latents, t, conds, reqs, rows)
+            with self.cache.step(slots, t.tolist()):
+                pred = self.predict(latents, t, conds, reqs, rows)
         for r, noise in zip(reqs, pred.split(rows), strict=True):
             t_r = r.timesteps[r.step]
             r.latents = r.scheduler.step(noise, t_r, r.latents, return_dict=False)[0]
@@ -206,6 +229,14 @@ class StepAdapter:
             torch.tensor(rows, device=like.device)
         )
         return v.view(-1, *([1] * (like.dim() - 1)))
+
+    @staticmethod
+    def _cache_slots(reqs: list[DiffusionRequest], rows: list[int], branch: int) -> list:
+        """Each row's cache slot (None where its request does not cache), in batch order."""
+        out = []
+        for r, n in zip(reqs, rows, strict=True):
+            out += r.cache_slots[branch * n : (branch + 1) * n] or [None] * n
+        return out
 
     @staticmethod
     def _rows(conds: list[dict], name: str, rows: list[int]) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni.engine.diffusion.cache import CacheConfig
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 
@@ -37,7 +38,16 @@ class WholeRequestAdapter:
             raise ValueError(f"{type(self.pipe).__name__} does not take {refused}")
         if params.output == "latent":
             raise ValueError("latent output needs a step-level adapter; this model has none")
+        if params.cache is not None:
+            self.check_cache(params.cache)
         return params
+
+    def check_cache(self, config: CacheConfig) -> None:
+        if config.enabled:
+            raise ValueError(
+                f"{type(self.pipe).__name__} cannot be cached: it runs as whole requests "
+                "(no step-level adapter), so the engine never sees its steps"
+            )
 
     def check_inputs(self, images: list) -> None:
         if images and "image" not in self.accepted:

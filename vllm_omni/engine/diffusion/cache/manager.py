@@ -1,0 +1,258 @@
+"""Step caching for a batch of independent requests: per-row decisions, per-request state.
+
+Each transformer block of the pipeline is wrapped once. While a step runs, every row of the
+batch (one image of one request in one guidance branch) has its own `CacheSlot`; at the
+row's first cacheable block the slot decides whether to reuse, and from there to the end of
+its span the row is left out of the block calls (the rows that compute run as a smaller
+batch). At the end of the span a reused row gets its input plus the cached (or forecast)
+residual; a computed row stores its new residual. Rows without a slot always compute, so
+requests with different settings, or none, share one batched call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from vllm_omni.engine.diffusion.cache.config import CacheConfig
+
+# Block keyword arguments with one row per image; the rest (rotary tables, kwargs dicts) are
+# shared by the whole batch.
+_BATCHED = ("hidden_states", "encoder_hidden_states", "temb", "encoder_hidden_states_mask")
+_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
+
+
+class CacheSlot:
+    """The cache state of one row: one image of one request in one guidance branch."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.computed = 0
+        self.cached = 0
+        self._consecutive = 0
+        self._signal: torch.Tensor | None = None  # teacache: previous step's; block: last computed
+        self._accumulated = 0.0
+        # (timestep, hidden residual, encoder residual) of the last two computed steps.
+        self._history: list[tuple[float, torch.Tensor, torch.Tensor | None]] = []
+
+    def span(self, num_blocks: int) -> tuple[int, int]:
+        """The blocks [start, end) this slot may skip."""
+        if self.config.method == "teacache":
+            return 0, num_blocks
+        return self.config.first_blocks, num_blocks - self.config.last_blocks
+
+    def decide(self, signal: torch.Tensor) -> bool:
+        """True to reuse the cached residual at this step; called once per step."""
+        c = self.config
+        step = self.computed + self.cached
+        change = None
+        if self._signal is not None:
+            change = ((signal - self._signal).abs().mean() / self._signal.abs().mean()).item()
+        forced = (
+            not self._history
+            or change is None
+            or step < c.warmup_steps
+            or self._consecutive >= c.max_consecutive
+            or (c.max_cached is not None and self.cached >= c.max_cached)
+        )
+        if c.method == "teacache":
+            self._signal = signal
+            if change is not None:
+                self._accumulated += c.rescale(change)
+            reuse = not forced and self._accumulated < c.threshold
+        else:
+            reuse = not forced and change < c.threshold
+        if reuse:
+            self.cached += 1
+            self._consecutive += 1
+        else:
+            self.computed += 1
+            self._consecutive = 0
+            self._accumulated = 0.0
+            if c.method == "block":
+                self._signal = signal
+        return reuse
+
+    def store(self, t: float, hidden: torch.Tensor, encoder: torch.Tensor | None) -> None:
+        self._history = [*self._history[-1:], (t, hidden, encoder)]
+
+    def residual(self, t: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual to reuse at timestep t: the last one, or its first-order forecast."""
+        t1, h1, e1 = self._history[-1]
+        if not self.config.taylor or len(self._history) < 2 or self._history[0][0] == t1:
+            return h1, e1
+        t0, h0, e0 = self._history[0]
+        k = (t - t1) / (t1 - t0)
+        e = None if e1 is None or e0 is None else e1 + k * (e1 - e0)
+        return h1 + k * (h1 - h0), e
+
+    def stats(self) -> dict[str, int]:
+        return {"computed_steps": self.computed, "cached_steps": self.cached}
+
+
+@dataclass
+class _Step:
+    """The rows of one transformer call and what each decided."""
+
+    slots: list[CacheSlot | None]
+    timesteps: list[float]
+    spans: list[tuple[int, int]]
+    reuse: list[bool] = field(default_factory=list)
+    first_input: torch.Tensor | None = None
+    span_inputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+
+
+class _CachedBlock(nn.Module):
+    def __init__(self, block: nn.Module, index: int, manager: DiTCacheManager) -> None:
+        super().__init__()
+        self.block = block
+        self.index = index
+        # Not a submodule: the manager owns the blocks, not the other way round.
+        self.__dict__["manager"] = manager
+
+    def forward(self, **kwargs):
+        return self.manager.run(self.index, self.block, kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # The transformer reads block attributes (e.g. SD3's context_pre_only).
+            return getattr(super().__getattr__("block"), name)
+
+
+ModulatedInput = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DiTCacheManager:
+    """Wraps a transformer's blocks so each transformer call can skip them row by row.
+
+    `unsupported` says why a transformer cannot be cached (None when it can).
+    """
+
+    def __init__(self, transformer: nn.Module, modulated_input: ModulatedInput) -> None:
+        self.modulated_input = modulated_input
+        self.num_blocks = 0
+        self._active: _Step | None = None
+        self.unsupported = self._why_not(transformer)
+        if self.unsupported:
+            return
+        for name in _BLOCK_LISTS:
+            blocks = getattr(transformer, name, None)
+            for j, block in enumerate(blocks or []):
+                blocks[j] = _CachedBlock(block, self.num_blocks, self)
+                self.num_blocks += 1
+
+    @staticmethod
+    def _why_not(transformer: nn.Module) -> str | None:
+        lists = [getattr(transformer, n, None) for n in _BLOCK_LISTS]
+        if not any(isinstance(b, nn.ModuleList) and len(b) for b in lists):
+            return f"{type(transformer).__name__} has no transformer block list to cache"
+        if getattr(transformer.config, "zero_cond_t", False):
+            return "its transformer modulates a second, zero-timestep condition in every row"
+        return None
+
+    def check(self, config: CacheConfig, model: str) -> None:
+        """ValueError when `config` cannot apply to this model (a 400 when served)."""
+        if not config.enabled:
+            return
+        if self.unsupported:
+            raise ValueError(f"{model} cannot be cached: {self.unsupported}")
+        start, end = CacheSlot(config).span(self.num_blocks)
+        if start >= end:
+            raise ValueError(
+                f"first_blocks + last_blocks ({start} + {self.num_blocks - end}) leave no block "
+                f"to skip: {model} has {self.num_blocks} transformer blocks"
+            )
+
+    @contextmanager
+    def step(self, slots: list[CacheSlot | None], timesteps: list[float]) -> Iterator[None]:
+        """Around one transformer call whose rows are `slots` (None: a row that never caches)."""
+        if not any(slots):
+            yield
+            return
+        never = (-1, -1)  # a row without a slot starts and ends no span
+        spans = [s.span(self.num_blocks) if s else never for s in slots]
+        self._active = _Step(slots, timesteps, spans, reuse=[False] * len(slots))
+        try:
+            yield
+        finally:
+            self._active = None
+
+    def run(self, index: int, block: nn.Module, kwargs: dict):
+        step = self._active
+        if step is None:
+            return block(**kwargs)
+        hidden, encoder = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
+        if index == 0:
+            step.first_input = hidden
+        starting = [r for r, (start, _) in enumerate(step.spans) if start == index]
+        if starting:
+            self._decide(step, starting, index, block, kwargs)
+        skipped = [
+            r for r, (start, end) in enumerate(step.spans)
+            if step.reuse[r] and start <= index < end
+        ]
+        if not skipped:
+            encoder_out, hidden_out = block(**kwargs)
+        elif len(skipped) == len(step.slots):
+            encoder_out, hidden_out = encoder, hidden
+        else:
+            encoder_out, hidden_out = self._run_rows(block, kwargs, skipped)
+        ending = [r for r, (_, end) in enumerate(step.spans) if end - 1 == index]
+        if ending:
+            encoder_out, hidden_out = self._end_span(step, ending, encoder_out, hidden_out)
+        return encoder_out, hidden_out
+
+    def _decide(self, step: _Step, rows: list[int], index: int, block, kwargs) -> None:
+        hidden, encoder = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
+        modulated = None
+        for r in rows:
+            slot = step.slots[r]
+            if slot.config.method == "teacache":
+                if modulated is None:
+                    modulated = self.modulated_input(block, hidden, kwargs["temb"])
+                signal = modulated[r]
+            else:
+                signal = hidden[r] - step.first_input[r]
+            step.reuse[r] = slot.decide(signal)
+            step.span_inputs[r] = (hidden[r], None if encoder is None else encoder[r])
+
+    @staticmethod
+    def _run_rows(block, kwargs: dict, skipped: list[int]):
+        """Run `block` on the rows not skipped; skipped rows pass through unchanged."""
+        hidden, encoder = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
+        keep = torch.tensor(
+            [r for r in range(hidden.shape[0]) if r not in skipped], device=hidden.device
+        )
+        sub = {
+            k: v.index_select(0, keep) if k in _BATCHED and isinstance(v, torch.Tensor) else v
+            for k, v in kwargs.items()
+        }
+        encoder_part, hidden_part = block(**sub)
+        hidden_out = hidden.index_copy(0, keep, hidden_part)
+        encoder_out = None if encoder_part is None else encoder.index_copy(0, keep, encoder_part)
+        return encoder_out, hidden_out
+
+    @staticmethod
+    def _end_span(step: _Step, rows: list[int], encoder, hidden):
+        reused = [r for r in rows if step.reuse[r]]
+        if reused:  # written in place below: never into a tensor the caller still holds
+            hidden = hidden.clone()
+            encoder = None if encoder is None else encoder.clone()
+        for r in rows:
+            slot, t = step.slots[r], step.timesteps[r]
+            h_in, e_in = step.span_inputs.pop(r)
+            if step.reuse[r]:
+                h_res, e_res = slot.residual(t)
+                hidden[r] = h_in + h_res
+                if encoder is not None and e_res is not None:
+                    encoder[r] = e_in + e_res
+            else:
+                e_res = None if encoder is None or e_in is None else encoder[r] - e_in
+                slot.store(t, hidden[r] - h_in, e_res)
+        return encoder, hidden
