@@ -21,6 +21,10 @@ class QwenImageAdapter(StepAdapter):
         # Rescale so the guided prediction keeps the conditional one's norm, as the pipeline.
         return mixed * (pos.norm(dim=-1, keepdim=True) / mixed.norm(dim=-1, keepdim=True))
 
+    def modulated_input(self, block, hidden, temb):
+        shift_scale_gate = block.img_mod(temb).chunk(2, dim=-1)[0]
+        return block._modulate(block.img_norm1(hidden), shift_scale_gate)[0]
+
     def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
         embeds, mask = self.pipe.encode_prompt(
             prompt=texts, device=self.device, max_sequence_length=self.max_sequence_length
