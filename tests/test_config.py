@@ -74,6 +74,10 @@ def test_valid_pipeline_loads_in_topological_order(tmp_path):
             ["stage 'second'", "cannot output 'image'"],
         ),
         (("name: chain\n", "name: chain\nversion: 2\n"), ["field version", "Extra inputs"]),
+        (
+            ("name: chain\n", "name: chain\ndefault_modalities: [image]\n"),
+            ["default_modalities ['image'] are not final outputs ['text']"],
+        ),
     ],
 )
 def test_invalid_pipelines_name_file_stage_and_field(tmp_path, edit, expected):

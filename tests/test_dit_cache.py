@@ -97,6 +97,25 @@ def test_config_is_validated():
     assert not DiffusionParams.parse({"cache": None}).merged(server).cache.enabled
 
 
+def test_server_flags():
+    from argparse import Namespace
+
+    from vllm_omni.entrypoints.cli.main import cache_config
+
+    def flags(backend, config):
+        return cache_config(Namespace(cache_backend=backend, cache_config=config))
+
+    assert flags(None, None) is None
+    assert flags("block", '{"threshold": 0.2}') == {"method": "block", "threshold": 0.2}
+    for backend, config, words in [
+        (None, '{"threshold": 0.2}', "needs --cache-backend"),
+        ("block", "{threshold", "not valid JSON"),
+        ("teacache", '{"warmup_steps": -1}', "warmup_steps"),
+    ]:
+        with pytest.raises(SystemExit, match=words):
+            flags(backend, config)
+
+
 # -- in the engine --------------------------------------------------------------------------
 
 # A second (unconditional) branch for each family.

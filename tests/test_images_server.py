@@ -21,15 +21,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS = {"num_inference_steps": 4}
 
 
-def served(name: str, tmp_path_factory):
+def served(name: str, tmp_path_factory, *flags: str):
     folder = make_tiny(name, tmp_path_factory.mktemp("img") / name)
-    srv = ServerProcess([str(folder)], tmp_path_factory.mktemp("log") / f"{name}.log")
+    srv = ServerProcess([str(folder), *flags], tmp_path_factory.mktemp("log") / f"{name}.log")
     return folder, srv
 
 
 @pytest.fixture(scope="module")
 def flux_server(tmp_path_factory):
-    folder, srv = served("flux-tiny", tmp_path_factory)
+    # Step caching on, at threshold 0: every step still computed, images as diffusers'.
+    flags = ("--cache-backend", "block", "--cache-config", '{"threshold": 0}')
+    folder, srv = served("flux-tiny", tmp_path_factory, *flags)
     yield folder, srv
     assert srv.stop(), "processes of the server were still alive after SIGTERM"
 
@@ -75,6 +77,22 @@ def test_images_generate_equals_diffusers(flux_server):
         prompt="a red cat", size="64x64", output_format="jpeg", extra_body=STEPS
     )
     assert decode(jpeg.data[0].b64_json).format == "JPEG"
+
+
+def test_cache_settings_and_stats(flux_server):
+    folder, srv = flux_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    r = client.images.generate(prompt="a red cat", size="64x64", extra_body={**STEPS, "seed": 1})
+    assert r.cache == {"method": "block", "computed_steps": 4, "cached_steps": 0}
+    # A request's settings go over the server's: reuse as often as the guards allow.
+    cache = {"method": "teacache", "threshold": 1e9, "warmup_steps": 1, "max_consecutive": 2}
+    r = client.images.generate(
+        prompt="a red cat", size="64x64", extra_body={**STEPS, "seed": 1, "cache": cache}
+    )
+    assert r.cache == {"method": "teacache", "computed_steps": 2, "cached_steps": 2}
+    for bad, words in [({"threshold": -1}, "cache.threshold"), ({"first_blocks": 9}, "no block")]:
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.images.generate(prompt="x", size="64x64", extra_body={"cache": bad})
 
 
 def test_concurrent_requests_get_their_own_images(flux_server):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import signal
 import threading
@@ -11,6 +13,7 @@ import httpx
 import psutil
 import pytest
 from conftest import ServerProcess, live_processes_in_group
+from PIL import Image
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,7 @@ def doomed_server(tmp_path_factory):
 
 
 def test_default_model_is_built_locally_and_served(doomed_server):
+    """The demo: chat from the tiny LLM made on first use, images from the trained digits DiT."""
     models = httpx.get(doomed_server.url + "/v1/models").json()["data"]
     assert "qwen2-tiny" in models[0]["id"] and "/cache/models/" in models[0]["id"]
     reply = httpx.post(
@@ -35,6 +39,14 @@ def test_default_model_is_built_locally_and_served(doomed_server):
         json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
     ).json()
     assert reply["usage"]["completion_tokens"] >= 1
+    assert isinstance(reply["choices"][0]["message"]["content"], str)  # text only by default
+    images = httpx.post(
+        doomed_server.url + "/v1/images/generations",
+        timeout=120,
+        json={"prompt": "a handwritten digit seven", "seed": 1, "num_inference_steps": 8},
+    ).json()
+    image = Image.open(io.BytesIO(base64.b64decode(images["data"][0]["b64_json"])))
+    assert image.size == (32, 32)
 
 
 def test_dead_engine_fails_in_flight_requests_and_health(doomed_server):

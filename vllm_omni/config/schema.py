@@ -126,6 +126,10 @@ class PipelineConfig(BaseModel):
         default_factory=list, description="HF architectures this built-in pipeline serves."
     )
     stages: list[StageConfig] = Field(min_length=1)
+    default_modalities: list[str] | None = Field(
+        default=None,
+        description="What a request that names no `modalities` gets; default: every final output.",
+    )
 
     @model_validator(mode="after")
     def _valid_graph(self) -> PipelineConfig:
@@ -140,6 +144,12 @@ class PipelineConfig(BaseModel):
         self.topological_order()  # raises on cycles
         if not any(s.final_output for s in self.stages):
             raise ValueError("no stage has final_output: true, so the pipeline returns nothing")
+        offered = {MODALITY_OF_OUTPUT[s.output] for s in self.stages if s.final_output}
+        unknown = sorted(set(self.default_modalities or []) - offered)
+        if unknown:
+            raise ValueError(
+                f"default_modalities {unknown} are not final outputs {sorted(offered)}"
+            )
         return self
 
     def stage(self, name: str) -> StageConfig:

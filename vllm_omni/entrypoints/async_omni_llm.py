@@ -167,6 +167,8 @@ class AsyncOmniLLM:
         stages that feed them; stages that only serve other outputs are skipped.
         """
         finals = [s for s in self.order if s.final_output]
+        if modalities is None:
+            modalities = self.pipeline.default_modalities
         if modalities is not None:
             offered = {MODALITY_OF_OUTPUT[s.output] for s in finals}
             missing = sorted(set(modalities) - offered)
@@ -203,8 +205,9 @@ class AsyncOmniLLM:
         params = dict(zip(names, self.sampling_params_list(sampling_params_list), strict=True))
         finished: dict[str, OmniRequestOutput] = {}
         active: str | None = None
-        # Input processors see the entry stage's rendered prompt (text and token ids).
-        (prompt,) = await self.render([prompt])
+        # Input processors see the first planned stage's rendered prompt (text and token
+        # ids); a plan of independent stages starts where the request's outputs come from.
+        (prompt,) = await self.stages[stages[0].name].render([prompt])
         try:
             for stage_cfg in stages:
                 stage = self.stages[stage_cfg.name]

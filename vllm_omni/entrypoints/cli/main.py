@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("vllm_omni")
@@ -92,6 +94,29 @@ def explicit_engine_kwargs(
     return out
 
 
+DIGITS_MODEL = Path(__file__).resolve().parents[2] / "assets" / "digits-flux"
+
+
+def default_demo() -> tuple[str, str]:
+    """The tiny chat LLM's folder (built on first use) and the demo pipeline's YAML, written
+    beside it with the trained digits model's folder filled in."""
+    import yaml
+
+    from vllm_omni.config.loader import BUILTIN_DIR
+    from vllm_omni.testing.tiny_models import DEFAULT_MODEL, get_or_make
+
+    llm = get_or_make(DEFAULT_MODEL)
+    pipeline = yaml.safe_load((BUILTIN_DIR / "demo.yaml").read_text())
+    for stage in pipeline["stages"]:
+        if stage["engine"] == "diffusion":
+            stage["model"] = str(DIGITS_MODEL)
+    path = llm.parent / "demo-pipeline.yaml"
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    partial.replace(path)  # atomic: servers starting together never read half a file
+    return str(llm), str(path)
+
+
 def serve(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
@@ -100,10 +125,10 @@ def serve(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
     if args.model_tag is not None:
         args.model = args.model_tag
     elif args.model == defaults.model:
-        from vllm_omni.testing.tiny_models import DEFAULT_MODEL, get_or_make
-
-        args.model = str(get_or_make(DEFAULT_MODEL))
-        logger.info("No model given: serving the built-in tiny default %s", args.model)
+        args.model, pipeline = default_demo()
+        args.stage_configs_path = args.stage_configs_path or pipeline
+        logger.info("No model given: serving the built-in demo (chat: %s, images: %s)",
+                    args.model, DIGITS_MODEL)
     validate_parsed_serve_args(args)
     args.cache_config = cache_config(args)
     run_server(args, explicit_engine_kwargs(args, defaults))

@@ -11,6 +11,14 @@ from vllm_omni.engine.diffusion.request import DiffusionRequest
 class FluxAdapter(StepAdapter):
     family = "flux"
 
+    def __init__(self, pipe) -> None:
+        super().__init__(pipe)
+        # A model whose T5 tokenizer says it takes fewer tokens than the pipeline's default
+        # (512) was trained with that many: pad to it, not to 512.
+        self.max_sequence_length = min(
+            self.max_sequence_length, pipe.tokenizer_2.model_max_length
+        )
+
     @property
     def size_multiple(self) -> int:
         return self.pipe.vae_scale_factor * 2

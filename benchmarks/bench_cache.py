@@ -1,0 +1,193 @@
+"""Step caching on the trained digits model: speed-up against image quality, side by side.
+
+For each cache setting, the same requests (prompt "a handwritten digit <word>", one seed
+each) run through the diffusion engine at a given concurrency (closed loop); speed-up is
+the uncached engine's wall time over the cached one's (medians over rounds that alternate
+the settings), quality is PSNR / SSIM of each image against its uncached image. At
+concurrency 1 the same is measured for diffusers' own FirstBlockCache on the pipeline called
+once per request, against that pipeline uncached.
+
+    python benchmarks/bench_cache.py --concurrency 1 8 --requests 16 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "vllm_omni/assets/digits-flux"
+
+SETTINGS: dict[str, dict | None] = {
+    "uncached": None,
+    "teacache 0.2": {"method": "teacache", "threshold": 0.2},
+    "teacache 0.4": {"method": "teacache", "threshold": 0.4},
+    "teacache 0.6": {"method": "teacache", "threshold": 0.6},
+    "teacache 0.6 taylor": {"method": "teacache", "threshold": 0.6, "taylor": True},
+    "block 0.05": {"method": "block", "threshold": 0.05},
+    "block 0.1": {"method": "block", "threshold": 0.1},
+    "block 0.2": {"method": "block", "threshold": 0.2},
+    "block 0.2 taylor": {"method": "block", "threshold": 0.2, "taylor": True},
+    "dual-block 0.2 (F1 B1)": {"method": "block", "threshold": 0.2, "last_blocks": 1},
+}
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean SSIM (Wang et al. 2004: 11x11 Gaussian window, sigma 1.5) of HWC images in [0, 1]."""
+    x = torch.from_numpy(a).double().permute(2, 0, 1)[:, None]
+    y = torch.from_numpy(b).double().permute(2, 0, 1)[:, None]
+    g = torch.exp(-((torch.arange(11) - 5.0) ** 2) / (2 * 1.5**2)).double()
+    w = (g[:, None] * g[None, :] / g.sum() ** 2)[None, None]
+    mu_x, mu_y = F.conv2d(x, w, padding=5), F.conv2d(y, w, padding=5)
+    var_x = F.conv2d(x * x, w, padding=5) - mu_x**2
+    var_y = F.conv2d(y * y, w, padding=5) - mu_y**2
+    cov = F.conv2d(x * y, w, padding=5) - mu_x * mu_y
+    c1, c2 = 0.01**2, 0.03**2
+    num = (2 * mu_x * mu_y + c1) * (2 * cov + c2)
+    return float((num / ((mu_x**2 + mu_y**2 + c1) * (var_x + var_y + c2))).mean())
+
+
+def requests(n: int) -> list[tuple[str, int]]:
+    return [(f"a handwritten digit {WORDS[i % 10]}", 1000 + i) for i in range(n)]
+
+
+async def closed_loop(engine, reqs, cache, concurrency: int, steps: int):
+    queue = list(enumerate(reqs))
+    images: list = [None] * len(reqs)
+    stats: list = [None] * len(reqs)
+
+    async def worker():
+        while queue:
+            i, (prompt, seed) = queue.pop(0)
+            params = {"seed": seed, "num_inference_steps": steps}
+            if cache:
+                params["cache"] = cache
+            outs = [o async for o in engine.generate(f"q{i}-{time.monotonic_ns()}", prompt, params)]
+            images[i], stats[i] = outs[-1].images[0], outs[-1].cache
+
+    start = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    return time.perf_counter() - start, images, stats
+
+
+def engine_side(model: str, args) -> list[dict]:
+    from vllm_omni.engine.diffusion import AsyncDiffusionEngine, EngineOptions
+
+    engine = AsyncDiffusionEngine(model, EngineOptions(num_threads=args.threads))
+    rows = []
+    try:
+        reqs = requests(args.requests)
+        for c in args.concurrency:
+            times = {name: [] for name in SETTINGS}
+            images, stats = {}, {}
+            asyncio.run(closed_loop(engine, reqs[:2], None, c, args.steps))  # warm-up
+            for _ in range(args.rounds):
+                for name, cache in SETTINGS.items():
+                    t, images[name], stats[name] = asyncio.run(
+                        closed_loop(engine, reqs, cache, c, args.steps)
+                    )
+                    times[name].append(t)
+            base = statistics.median(times["uncached"])
+            for name in SETTINGS:
+                rows.append(quality_row(f"engine c={c}", name, base, times[name],
+                                        images["uncached"], images[name], stats[name],
+                                        len(reqs)))
+    finally:
+        engine.shutdown()
+    return rows
+
+
+def diffusers_side(model: str, args) -> list[dict]:
+    from diffusers import DiffusionPipeline, FirstBlockCacheConfig
+
+    torch.set_num_threads(args.threads)
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    reqs = requests(args.requests)
+    size = pipe.vae.config.sample_size
+    settings = {"uncached": None, **{f"FirstBlockCache {t}": t for t in (0.05, 0.1, 0.2)}}
+
+    def run_all(threshold):
+        if threshold is not None:
+            pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        start, images = time.perf_counter(), []
+        for prompt, seed in reqs:
+            images.append(pipe(prompt, height=size, width=size, num_inference_steps=args.steps,
+                               max_sequence_length=pipe.tokenizer_2.model_max_length,
+                               generator=torch.Generator().manual_seed(seed),
+                               output_type="np").images[0])
+        if threshold is not None:
+            pipe.transformer.disable_cache()
+        return time.perf_counter() - start, images
+
+    times = {name: [] for name in settings}
+    images = {}
+    with torch.inference_mode():
+        run_all(None)  # warm-up
+        for _ in range(args.rounds):
+            for name, threshold in settings.items():
+                t, images[name] = run_all(threshold)
+                times[name].append(t)
+    base = statistics.median(times["uncached"])
+    return [quality_row("diffusers c=1", name, base, times[name], images["uncached"],
+                        images[name], None, len(reqs)) for name in settings]
+
+
+def quality_row(side, name, base, times, ref, got, stats, n) -> dict:
+    t = statistics.median(times)
+    psnrs = [psnr(a, b) for a, b in zip(ref, got, strict=True)]
+    finite = [p for p in psnrs if np.isfinite(p)]
+    cached = None
+    if stats and stats[0]:
+        done = sum(s["cached_steps"] for s in stats)
+        cached = done / sum(s["cached_steps"] + s["computed_steps"] for s in stats)
+    return {
+        "side": side,
+        "setting": name,
+        "images/s": n / t,
+        "speed-up": base / t,
+        "psnr_mean": statistics.mean(finite) if finite else float("inf"),
+        "psnr_min": min(psnrs),
+        "ssim_mean": statistics.mean(ssim(a, b) for a, b in zip(ref, got, strict=True)),
+        "cached": cached,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip-diffusers", action="store_true")
+    args = ap.parse_args()
+    rows = engine_side(args.model, args)
+    if not args.skip_diffusers:
+        rows += diffusers_side(args.model, args)
+    print("| side | setting | images/s | speed-up | PSNR mean (min) dB | SSIM | steps cached |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        cached = "-" if r["cached"] is None else f"{r['cached']:.0%}"
+        print(f"| {r['side']} | {r['setting']} | {r['images/s']:.2f} | {r['speed-up']:.2f}x | "
+              f"{r['psnr_mean']:.1f} ({r['psnr_min']:.1f}) | {r['ssim_mean']:.4f} | {cached} |")
+
+
+if __name__ == "__main__":
+    main()
