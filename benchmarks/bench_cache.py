@@ -120,19 +120,41 @@ def diffusers_side(model: str, args) -> list[dict]:
     pipe.set_progress_bar_config(disable=True)
     reqs = requests(args.requests)
     size = pipe.vae.config.sample_size
-    settings = {"uncached": None, **{f"FirstBlockCache {t}": t for t in (0.05, 0.1, 0.2)}}
+    settings = {"uncached": None}
+    settings.update({f"FirstBlockCache {t}": ("diffusers", t) for t in (0.05, 0.1, 0.2)})
+    try:  # optional: pip install cache-dit
+        import cache_dit
 
-    def run_all(threshold):
-        if threshold is not None:
+        settings.update({f"cache-dit DBCache F1B0 {t}": ("cache-dit", t) for t in (0.1, 0.2)})
+    except ImportError:
+        cache_dit = None
+
+    def enable(setting):
+        kind, threshold = setting
+        if kind == "diffusers":
             pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        else:  # the same guards as the engine's defaults
+            cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(
+                Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=threshold,
+                max_warmup_steps=2, max_continuous_cached_steps=3))
+
+    def disable(setting):
+        if setting[0] == "diffusers":
+            pipe.transformer.disable_cache()
+        else:
+            cache_dit.disable_cache(pipe)
+
+    def run_all(setting):
+        if setting is not None:
+            enable(setting)
         start, images = time.perf_counter(), []
         for prompt, seed in reqs:
             images.append(pipe(prompt, height=size, width=size, num_inference_steps=args.steps,
                                max_sequence_length=pipe.tokenizer_2.model_max_length,
                                generator=torch.Generator().manual_seed(seed),
                                output_type="np").images[0])
-        if threshold is not None:
-            pipe.transformer.disable_cache()
+        if setting is not None:
+            disable(setting)
         return time.perf_counter() - start, images
 
     times = {name: [] for name in settings}
@@ -140,8 +162,8 @@ def diffusers_side(model: str, args) -> list[dict]:
     with torch.inference_mode():
         run_all(None)  # warm-up
         for _ in range(args.rounds):
-            for name, threshold in settings.items():
-                t, images[name] = run_all(threshold)
+            for name, setting in settings.items():
+                t, images[name] = run_all(setting)
                 times[name].append(t)
     base = statistics.median(times["uncached"])
     return [quality_row("diffusers c=1", name, base, times[name], images["uncached"],

@@ -38,6 +38,15 @@ ENGINE_OUTPUTS: dict[str, set[str]] = {
 }
 
 
+class Placement(BaseModel):
+    """Where a stage runs and how much memory it may hold (weights, KV cache, activations)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    memory_gib: float | None = Field(default=None, gt=0)
+
+
 class StageConfig(BaseModel):
     """One stage of a pipeline."""
 
@@ -63,6 +72,9 @@ class StageConfig(BaseModel):
     )
     output: OutputType = "text"
     final_output: bool = False
+    placement: Placement | None = Field(
+        default=None, description="Device and memory budget, checked at start-up."
+    )
 
     @field_validator("input_processor")
     @classmethod

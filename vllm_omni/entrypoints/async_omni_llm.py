@@ -17,9 +17,11 @@ from typing import Any
 
 from vllm import SamplingParams
 from vllm.inputs import EngineInput, PromptType
+from vllm.platforms import current_platform
 from vllm.usage.usage_lib import UsageContext
 
 from vllm_omni.config import PipelineConfig, StageConfig, resolve_pipeline
+from vllm_omni.config.placement import check_placement
 from vllm_omni.config.schema import MODALITY_OF_OUTPUT
 from vllm_omni.engine.ar import ARStage
 from vllm_omni.engine.ar.stage import stage_engine_args
@@ -74,6 +76,8 @@ class AsyncOmniLLM:
             for s in self.pipeline.stages
             if s.input_processor
         }
+        # Before any engine starts: a placement that cannot fit fails here, all problems named.
+        check_placement(self.pipeline, model, current_platform.device_type)
         self._start_stages(engine_kwargs, usage_context)
 
     def _start_stages(self, engine_kwargs: dict[str, Any], usage_context: UsageContext) -> None:

@@ -13,6 +13,7 @@ from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from vllm_omni.config.placement import ar_placement_args
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.ar.hidden_states import REQUEST_KEY, handle_from_rpc, worker_class_path
 from vllm_omni.engine.stage import EngineStage
@@ -32,7 +33,9 @@ def stage_engine_args(
     unknown = sorted(set(engine_kwargs) - _ENGINE_ARG_NAMES)
     if unknown:
         raise TypeError(f"unknown vLLM engine args: {unknown}")
-    merged = {**stage.engine_args, **engine_kwargs, "model": stage.model or model}
+    # The placement's budget fills what neither the YAML nor the caller set.
+    placed = ar_placement_args(stage, model)
+    merged = {**placed, **stage.engine_args, **engine_kwargs, "model": stage.model or model}
     if stage.output == "hidden_states" and "worker_cls" not in stage.engine_args:
         merged["worker_cls"] = worker_class_path()
         # A prefix-cache hit skips the forward pass over the cached prompt tokens, and so

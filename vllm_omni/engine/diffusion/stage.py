@@ -43,6 +43,8 @@ def engine_options(
     if ignored:
         logger.info("stage %r: vLLM engine args %s do not apply to diffusion", stage.name, ignored)
     options = {**stage.engine_args, **given}
+    if stage.placement is not None:
+        options.setdefault("device", stage.placement.device)
     if options.get("dtype") in (None, "auto"):
         options["dtype"] = "float32"
     defaults = {**stage.sampling_params, **options.get("defaults", {})}
