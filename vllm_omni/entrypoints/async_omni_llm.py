@@ -207,38 +207,61 @@ class AsyncOmniLLM:
         stages, returned = self.plan(modalities)
         names = [s.name for s in self.pipeline.stages]
         params = dict(zip(names, self.sampling_params_list(sampling_params_list), strict=True))
-        finished: dict[str, OmniRequestOutput] = {}
-        active: str | None = None
         # Input processors see the first planned stage's rendered prompt (text and token
         # ids); a plan of independent stages starts where the request's outputs come from.
         (prompt,) = await self.stages[stages[0].name].render([prompt])
+        finished: dict[str, OmniRequestOutput] = {}
+        done = {s.name: asyncio.Event() for s in stages}
+        started: set[str] = set()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        async def run_stage(stage_cfg: StageConfig) -> None:
+            """One stage of this request, as soon as the stages feeding it are done."""
+            name = stage_cfg.name
+            try:
+                for upstream in stage_cfg.inputs:
+                    await done[upstream].wait()
+                stage = self.stages[name]
+                stage_prompt = prompt
+                if stage_cfg.inputs:
+                    upstream = {n: finished[n] for n in stage_cfg.inputs}
+                    stage_prompt = self._input_processors[name](upstream, prompt)
+                started.add(name)
+                async for out in stage.generate(f"{request_id}-{name}", stage_prompt,
+                                                params[name]):
+                    out.request_id = request_id
+                    if out.finished:
+                        finished[name] = out
+                    if name in returned:
+                        out.resolve_tensors()
+                        outputs.put_nowait(out)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                outputs.put_nowait(StageError(name, e))
+            else:
+                done[name].set()
+                outputs.put_nowait(name)
+
+        # Independent stages (fan-out branches, or the inputs of a fan-in) run concurrently.
+        tasks = [asyncio.create_task(run_stage(s)) for s in stages]
+        remaining = len(tasks)
         try:
-            for stage_cfg in stages:
-                stage = self.stages[stage_cfg.name]
-                active = stage.name
-                try:
-                    stage_prompt = prompt
-                    if stage_cfg.inputs:
-                        upstream = {name: finished[name] for name in stage_cfg.inputs}
-                        stage_prompt = self._input_processors[stage.name](upstream, prompt)
-                    async for out in stage.generate(
-                        f"{request_id}-{stage.name}", stage_prompt, params[stage.name]
-                    ):
-                        out.request_id = request_id
-                        if out.finished:
-                            finished[stage.name] = out
-                        if stage.name in returned:
-                            out.resolve_tensors()
-                            yield out
-                except (asyncio.CancelledError, GeneratorExit):
-                    raise
-                except Exception as e:
-                    raise StageError(stage.name, e) from e
-                active = None
-        except (asyncio.CancelledError, GeneratorExit):
-            if active is not None:
-                await self.stages[active].abort(f"{request_id}-{active}")
-            raise
+            while remaining:
+                item = await outputs.get()
+                if isinstance(item, StageError):
+                    raise item from item.cause
+                if isinstance(item, str):  # a stage finished
+                    remaining -= 1
+                else:
+                    yield item
+        finally:
+            # Cancelled, closed, or failed: stop every stage still holding the request.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for name in started - {n for n, e in done.items() if e.is_set()}:
+                await self.stages[name].abort(f"{request_id}-{name}")
 
     async def abort(self, request_id: str) -> None:
         """Abort a request in every stage (a no-op where it is not running)."""
