@@ -108,3 +108,36 @@ def test_every_failed_stage_start_is_named(tiny_qwen2, tmp_path):
     message = str(err.value)
     assert "stage 'first' failed to start" in message and "999999" in message
     assert "stage 'second' failed to start" in message and "no-such-model" in message
+
+
+SIDE_BY_SIDE = """
+name: side-by-side
+stages:
+  - name: a
+    engine: ar
+    output: text
+    final_output: true
+  - name: b
+    engine: ar
+    output: text
+    final_output: true
+"""
+
+
+def test_independent_stages_run_concurrently(tiny_qwen2, tmp_path):
+    """Two stages that do not feed each other both stream while the other is still running."""
+    from vllm.sampling_params import RequestOutputKind
+
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True,
+                          output_kind=RequestOutputKind.DELTA)
+    with pipeline_llm(tiny_qwen2, SIDE_BY_SIDE, tmp_path, max_model_len=MAX_MODEL_LEN) as llm:
+
+        async def scenario():
+            return [(out.stage, out.finished)
+                    async for out in llm.engine.generate(PROMPTS[1], [long, long])]
+
+        seen = asyncio.run_coroutine_threadsafe(scenario(), llm._loop).result(120)
+    first_b = next(i for i, (stage, _) in enumerate(seen) if stage == "b")
+    last_a = max(i for i, (stage, _) in enumerate(seen) if stage == "a")
+    assert first_b < last_a, "stage b waited for stage a to finish"
+    assert {stage for stage, finished in seen if finished} == {"a", "b"}
