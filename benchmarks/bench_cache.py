@@ -17,7 +17,6 @@ import asyncio
 import os
 import statistics
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -25,8 +24,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "vllm_omni/assets/digits-flux"
+from vllm_omni.testing.digits import DIGITS_MODEL, WORDS, digit_classifier  # noqa: E402
 
 SETTINGS: dict[str, dict | None] = {
     "uncached": None,
@@ -172,6 +170,8 @@ def diffusers_side(model: str, args) -> list[dict]:
 
 def quality_row(side, name, base, times, ref, got, stats, n) -> dict:
     t = statistics.median(times)
+    classify = digit_classifier()
+    right = [classify(img) == i % 10 for i, img in enumerate(got)]
     psnrs = [psnr(a, b) for a, b in zip(ref, got, strict=True)]
     finite = [p for p in psnrs if np.isfinite(p)]
     cached = None
@@ -187,12 +187,13 @@ def quality_row(side, name, base, times, ref, got, stats, n) -> dict:
         "psnr_min": min(psnrs),
         "ssim_mean": statistics.mean(ssim(a, b) for a, b in zip(ref, got, strict=True)),
         "cached": cached,
+        "digits_right": sum(right) / len(right),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--model", default=str(DIGITS_MODEL))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
@@ -203,12 +204,14 @@ def main() -> None:
     rows = engine_side(args.model, args)
     if not args.skip_diffusers:
         rows += diffusers_side(args.model, args)
-    print("| side | setting | images/s | speed-up | PSNR mean (min) dB | SSIM | steps cached |")
-    print("|---|---|---|---|---|---|---|")
+    print("| side | setting | images/s | speed-up | PSNR mean (min) dB | SSIM | steps cached "
+          "| digit right |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         cached = "-" if r["cached"] is None else f"{r['cached']:.0%}"
         print(f"| {r['side']} | {r['setting']} | {r['images/s']:.2f} | {r['speed-up']:.2f}x | "
-              f"{r['psnr_mean']:.1f} ({r['psnr_min']:.1f}) | {r['ssim_mean']:.4f} | {cached} |")
+              f"{r['psnr_mean']:.1f} ({r['psnr_min']:.1f}) | {r['ssim_mean']:.4f} | {cached} | "
+              f"{r['digits_right']:.0%} |")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,6 @@ def train_vae(vae, images: torch.Tensor, steps: int, log) -> list[float]:
     return losses
 
 
-@torch.no_grad()
 def encode_texts(pipe, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     embeds, pooled, _ = pipe.encode_prompt(
         prompt=texts, prompt_2=None, device="cpu", max_sequence_length=TEXT_TOKENS
@@ -126,15 +125,18 @@ def encode_texts(pipe, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_dit(pipe, latents, labels, steps: int, log) -> list[float]:
+    """Rectified flow on the latents; the text encoders learn along (random, frozen ones give
+    prompts too alike for the transformer to pick up the digit in a CPU-sized run)."""
     model = pipe.transformer
     texts = [""] + [p for d in range(10) for p in prompts_for(d)]
-    embeds, pooled = encode_texts(pipe, texts)
     n = len(latents)
     height = width = SIZE // pipe.vae_scale_factor
     packed = pipe._pack_latents(latents, n, latents.shape[1], height, width)
     img_ids = pipe._prepare_latent_image_ids(n, height // 2, width // 2, "cpu", torch.float32)
     txt_ids = torch.zeros(TEXT_TOKENS, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    params = [*model.parameters(), *pipe.text_encoder.parameters(),
+              *pipe.text_encoder_2.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 200) * 0.5 * (1 + math.cos(math.pi * s / steps))
     )
@@ -145,7 +147,9 @@ def train_dit(pipe, latents, labels, steps: int, log) -> list[float]:
         # Text index: 0 is the empty prompt; label d has prompts 1 + 2d and 2 + 2d.
         text = 1 + 2 * labels[idx] + torch.randint(2, (64,))
         text = torch.where(torch.rand(64) < 0.1, torch.zeros_like(text), text)
-        sigma = torch.sigmoid(torch.randn(64))
+        # Logit-normal, leaning to high noise, where the prompt decides the digit.
+        sigma = torch.sigmoid(torch.randn(64) + 0.5)
+        embeds, pooled = encode_texts(pipe, texts)
         noise = torch.randn_like(x0)
         xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
         pred = model(
@@ -160,13 +164,43 @@ def train_dit(pipe, latents, labels, steps: int, log) -> list[float]:
         loss = F.mse_loss(pred, noise - x0)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         losses.append(loss.item())
         if step % 200 == 0 or step == steps - 1:
-            log(f"dit step {step} loss {sum(losses[-200:]) / len(losses[-200:]):.4f}")
+            log(f"dit step {step} loss {sum(losses[-200:]) / len(losses[-200:]):.4f} "
+                f"prompt gain {prompt_gain(pipe, packed, labels, img_ids, texts):.3f}")
     return losses
+
+
+@torch.no_grad()
+def prompt_gain(pipe, packed, labels, img_ids, texts) -> float:
+    """Loss at high noise with a wrong digit's prompt over the loss with the right one (a model
+    that ignores its prompt scores 1.0)."""
+    g = torch.Generator().manual_seed(0)
+    idx = torch.arange(0, len(packed), len(packed) // 128)[:128]
+    x0, label = packed[idx], labels[idx]
+    noise = torch.randn(x0.shape, generator=g)
+    xt = 0.1 * x0 + 0.9 * noise
+    embeds, pooled = encode_texts(pipe, texts)
+    losses = []
+    for text in (1 + 2 * label, 1 + 2 * ((label + 3) % 10)):
+        pred = pipe.transformer(
+            hidden_states=xt, timestep=torch.full((len(idx),), 0.9),
+            pooled_projections=pooled[text], encoder_hidden_states=embeds[text],
+            txt_ids=torch.zeros(TEXT_TOKENS, 3), img_ids=img_ids, return_dict=False,
+        )[0]
+        losses.append(F.mse_loss(pred, noise - x0).item())
+    return losses[1] / losses[0]
+
+
+def _earlier_record(folder: str | None) -> dict | None:
+    """The training record of the run this one continued (None for a run from scratch)."""
+    if folder is None:
+        return None
+    path = Path(folder) / "training.json"
+    return json.loads(path.read_text()) if path.is_file() else {"folder": folder}
 
 
 def main() -> None:
@@ -176,6 +210,9 @@ def main() -> None:
     ap.add_argument("--vae-steps", type=int, default=600)
     ap.add_argument("--dit-steps", type=int, default=3000)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--init-from", default=None,
+                    help="continue from an earlier run's folder: its VAE as is, its "
+                    "transformer and text encoders trained further")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -186,10 +223,15 @@ def main() -> None:
 
     images, labels = digit_images()
     pipe = build_pipeline()
-    pipe.text_encoder.requires_grad_(False)
-    pipe.text_encoder_2.requires_grad_(False)
 
-    vae_losses = train_vae(pipe.vae, images, args.vae_steps, log)
+    if args.init_from:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(args.init_from, dtype=torch.float32)
+        pipe.tokenizer_2.model_max_length = TEXT_TOKENS
+        vae_losses = [float("nan")] * 100
+    else:
+        vae_losses = train_vae(pipe.vae, images, args.vae_steps, log)
     vae_seconds = time.time() - started
     pipe.vae.requires_grad_(False)
     with torch.no_grad():
@@ -212,6 +254,7 @@ def main() -> None:
         "vae_final_loss": sum(vae_losses[-100:]) / 100,
         "dit_steps": args.dit_steps,
         "dit_final_loss": sum(dit_losses[-200:]) / 200,
+        "continued_from": _earlier_record(args.init_from),
         "batch_size": 64,
         "seconds": {"vae": round(vae_seconds), "total": round(time.time() - started)},
         "threads": args.threads,

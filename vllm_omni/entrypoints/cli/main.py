@@ -7,7 +7,6 @@ import logging
 import os
 import sys
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("vllm_omni")
@@ -94,15 +93,13 @@ def explicit_engine_kwargs(
     return out
 
 
-DIGITS_MODEL = Path(__file__).resolve().parents[2] / "assets" / "digits-flux"
-
-
 def default_demo() -> tuple[str, str]:
     """The tiny chat LLM's folder (built on first use) and the demo pipeline's YAML, written
     beside it with the trained digits model's folder filled in."""
     import yaml
 
     from vllm_omni.config.loader import BUILTIN_DIR
+    from vllm_omni.testing.digits import DIGITS_MODEL
     from vllm_omni.testing.tiny_models import DEFAULT_MODEL, get_or_make
 
     llm = get_or_make(DEFAULT_MODEL)
@@ -127,8 +124,7 @@ def serve(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
     elif args.model == defaults.model:
         args.model, pipeline = default_demo()
         args.stage_configs_path = args.stage_configs_path or pipeline
-        logger.info("No model given: serving the built-in demo (chat: %s, images: %s)",
-                    args.model, DIGITS_MODEL)
+        logger.info("No model given: serving the built-in demo pipeline %s", pipeline)
     validate_parsed_serve_args(args)
     args.cache_config = cache_config(args)
     run_server(args, explicit_engine_kwargs(args, defaults))
