@@ -120,39 +120,37 @@ def diffusers_side(model: str, args) -> list[dict]:
     size = pipe.vae.config.sample_size
     settings = {"uncached": None}
     settings.update({f"FirstBlockCache {t}": ("diffusers", t) for t in (0.05, 0.1, 0.2)})
-    try:  # optional: pip install cache-dit
+    # cache-dit (optional: pip install cache-dit) gets a pipeline of its own per setting:
+    # its hooks and diffusers' do not mix on one pipeline.
+    cache_dit_pipes = {}
+    try:
         import cache_dit
 
-        settings.update({f"cache-dit DBCache F1B0 {t}": ("cache-dit", t) for t in (0.1, 0.2)})
+        for t in (0.1, 0.2):
+            own = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+            own.set_progress_bar_config(disable=True)
+            cache_dit.enable_cache(own, cache_config=cache_dit.DBCacheConfig(
+                Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=t,
+                max_warmup_steps=2, max_continuous_cached_steps=3))  # the engine's guards
+            cache_dit_pipes[t] = own
+            settings[f"cache-dit DBCache F1B0 {t}"] = ("cache-dit", t)
     except ImportError:
-        cache_dit = None
-
-    def enable(setting):
-        kind, threshold = setting
-        if kind == "diffusers":
-            pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
-        else:  # the same guards as the engine's defaults
-            cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(
-                Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=threshold,
-                max_warmup_steps=2, max_continuous_cached_steps=3))
-
-    def disable(setting):
-        if setting[0] == "diffusers":
-            pipe.transformer.disable_cache()
-        else:
-            cache_dit.disable_cache(pipe)
+        pass
 
     def run_all(setting):
-        if setting is not None:
-            enable(setting)
+        kind, threshold = setting or (None, None)
+        target = cache_dit_pipes[threshold] if kind == "cache-dit" else pipe
+        if kind == "diffusers":
+            pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
         start, images = time.perf_counter(), []
         for prompt, seed in reqs:
-            images.append(pipe(prompt, height=size, width=size, num_inference_steps=args.steps,
-                               max_sequence_length=pipe.tokenizer_2.model_max_length,
-                               generator=torch.Generator().manual_seed(seed),
-                               output_type="np").images[0])
-        if setting is not None:
-            disable(setting)
+            images.append(target(prompt, height=size, width=size,
+                                 num_inference_steps=args.steps,
+                                 max_sequence_length=pipe.tokenizer_2.model_max_length,
+                                 generator=torch.Generator().manual_seed(seed),
+                                 output_type="np").images[0])
+        if kind == "diffusers":
+            pipe.transformer.disable_cache()
         return time.perf_counter() - start, images
 
     times = {name: [] for name in settings}
@@ -202,8 +200,12 @@ def main() -> None:
     ap.add_argument("--skip-diffusers", action="store_true")
     args = ap.parse_args()
     rows = engine_side(args.model, args)
+    print_rows(rows)
     if not args.skip_diffusers:
-        rows += diffusers_side(args.model, args)
+        print_rows(diffusers_side(args.model, args))
+
+
+def print_rows(rows: list[dict]) -> None:
     print("| side | setting | images/s | speed-up | PSNR mean (min) dB | SSIM | steps cached "
           "| digit right |")
     print("|---|---|---|---|---|---|---|---|")
@@ -211,7 +213,7 @@ def main() -> None:
         cached = "-" if r["cached"] is None else f"{r['cached']:.0%}"
         print(f"| {r['side']} | {r['setting']} | {r['images/s']:.2f} | {r['speed-up']:.2f}x | "
               f"{r['psnr_mean']:.1f} ({r['psnr_min']:.1f}) | {r['ssim_mean']:.4f} | {cached} | "
-              f"{r['digits_right']:.0%} |")
+              f"{r['digits_right']:.0%} |", flush=True)
 
 
 if __name__ == "__main__":
