@@ -3,11 +3,14 @@ openai client and raw HTTP."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 
 import httpx
 import openai
+import psutil
 import pytest
 from conftest import API_KEY, SERVED_NAME, SERVER_MAX_MODEL_LEN
 from vllm import SamplingParams
@@ -162,6 +165,13 @@ def test_health_and_metrics(server, client):
     assert "vllm:generation_tokens_total" in text  # vLLM's own engine metrics are exported too
 
 
+def engine_process(server) -> psutil.Process:
+    return next(
+        p for p in psutil.Process(server.proc.pid).children(recursive=True)
+        if "EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM::Engine")
+    )
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_the_request(server, stream):
     generated_before = metric(server, "vllm:generation_tokens_total")
@@ -175,29 +185,39 @@ def test_client_disconnect_aborts_the_request(server, stream):
         "ignore_eos": True,
     }
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    if stream:
-        with httpx.stream(
-            "POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60
-        ) as resp:
-            assert resp.status_code == 200
-            lines = resp.iter_lines()
-            for _ in range(3):
-                next(lines)
-    else:
-        with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
-            httpx.post(
-                server.url + "/v1/chat/completions",
-                json=body,
-                headers=headers,
-                timeout=httpx.Timeout(60, read=0.3),
-            )
+    # The tiny model writes 900 tokens in well under a second: the engine is frozen while the
+    # client hangs up, so the server surely sees the disconnect before the request can end.
+    engine = engine_process(server)
+    try:
+        if stream:
+            with httpx.stream(
+                "POST", server.url + "/v1/chat/completions", json=body, headers=headers,
+                timeout=60,
+            ) as resp:
+                assert resp.status_code == 200
+                lines = resp.iter_lines()
+                for _ in range(3):
+                    next(lines)
+                os.kill(engine.pid, signal.SIGSTOP)
+        else:
+            os.kill(engine.pid, signal.SIGSTOP)
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+                httpx.post(
+                    server.url + "/v1/chat/completions",
+                    json=body,
+                    headers=headers,
+                    timeout=httpx.Timeout(60, read=0.3),
+                )
+        deadline = time.monotonic() + 30
+        while (
+            metric(server, "vllm_omni:http_requests_total", endpoint="chat", status="499")
+            <= gone_before
+        ):
+            assert time.monotonic() < deadline, "the server never saw the disconnect"
+            time.sleep(0.2)
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
     deadline = time.monotonic() + 30
-    while (
-        metric(server, "vllm_omni:http_requests_total", endpoint="chat", status="499")
-        <= gone_before
-    ):
-        assert time.monotonic() < deadline, "the server never saw the disconnect"
-        time.sleep(0.2)
     while metric(server, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "the engine kept running the request"
         time.sleep(0.2)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from vllm_omni.testing.tiny_diffusers import DIFFUSERS_MODELS
+from vllm_omni.testing.tiny_omni import build_qwen2_5_omni
 from vllm_omni.testing.tokenizer import CHATML_TEMPLATE, train_tokenizer
 
 CHAT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -89,6 +90,7 @@ def _diffusers_builder(name: str) -> Callable[[Path, int, str], None]:
 BUILDERS: dict[str, Callable[[Path, int, str], None]] = {
     **{name: _qwen2_builder(size) for name, size in QWEN2_SIZES.items()},
     **{name: _diffusers_builder(name) for name in DIFFUSERS_MODELS},
+    "qwen2_5-omni-tiny": build_qwen2_5_omni,
 }
 
 
