@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from vllm_omni.testing.tokenizer import train_tokenizer
+from vllm_omni.testing.tokenizer import chatml_template, train_tokenizer
 
 THINKER_VOCAB = 1024
 # HF's init (normal, std 0.02) leaves a 2-layer model nearly the identity on the embeddings: its
@@ -74,23 +74,13 @@ UPSAMPLE_RATES = [5, 3, 2, 2, 2, 2]
 
 # ChatML with Qwen2.5-Omni's multimodal placeholders: one placeholder token per item, which the
 # processor (HF or vLLM) expands to the item's number of embeddings.
-OMNI_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
+OMNI_CHAT_TEMPLATE = chatml_template(
     "{% if part['type'] in ('image', 'image_url') %}<|vision_bos|><|IMAGE|><|vision_eos|>"
     "{% elif part['type'] in ('audio', 'audio_url', 'input_audio') %}"
     "<|audio_bos|><|AUDIO|><|audio_eos|>"
     "{% elif part['type'] in ('video', 'video_url') %}<|vision_bos|><|VIDEO|><|vision_eos|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endif %}"
 )
 
 
