@@ -226,3 +226,44 @@ def test_a_model_that_cannot_be_cached_says_so(tmp_path):
         engine.shutdown()
     with pytest.raises(DiffusionStartError, match="cannot be cached"):
         AsyncDiffusionEngine(str(folder), EngineOptions(defaults={"cache": {"method": "block"}}))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reuse_across_batches_of_other_text_lengths(tmp_path):
+    """Qwen-Image pads a batch's texts to its longest: a request that stored its residual in a
+    batch of one text length reuses it in a batch of another, and keeps its own image."""
+    from diffusers import DiffusionPipeline
+
+    from vllm_omni.engine.diffusion.adapters import adapter_for
+    from vllm_omni.engine.diffusion.params import DiffusionParams
+    from vllm_omni.engine.diffusion.request import DiffusionRequest
+
+    pipe = DiffusionPipeline.from_pretrained(make_tiny("qwen-image-tiny", tmp_path / "q"))
+    adapter = adapter_for(pipe)
+    cache = {"method": "block", **ALWAYS}
+
+    def request(rid: str, prompt: str, seed: int) -> DiffusionRequest:
+        params = DiffusionParams.parse({**SIZE, "seed": seed, "num_inference_steps": 4,
+                                        "cache": cache})
+        return DiffusionRequest(rid, prompt, adapter.resolve(params))
+
+    def run(joiner: bool) -> np.ndarray:
+        short = request("short", "a cat", 1)
+        with torch.inference_mode():
+            adapter.encode([short])
+            adapter.prepare(short)
+            adapter.denoise([short])  # step 0 computed alone, at the short text's length
+            batch = [short]
+            if joiner:
+                long = request("long", "a much longer prompt about a cat on a mat", 2)
+                adapter.encode([long])
+                adapter.prepare(long)
+                batch.append(long)
+            while not short.denoised:
+                adapter.denoise([r for r in batch if not r.denoised])
+            adapter.decode([short])
+        assert short.cache_stats()["cached_steps"] == 2
+        return short.images[0]
+
+    np.testing.assert_allclose(run(joiner=True), run(joiner=False), atol=1e-4, rtol=0)

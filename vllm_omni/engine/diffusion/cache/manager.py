@@ -87,7 +87,10 @@ class CacheSlot:
             return h1, e1
         t0, h0, e0 = self._history[0]
         k = (t - t1) / (t1 - t0)
-        e = None if e1 is None or e0 is None else e1 + k * (e1 - e0)
+        e = None
+        if e1 is not None and e0 is not None:
+            n = min(len(e0), len(e1))  # text padded to other lengths in other batches
+            e = e1[:n] + k * (e1[:n] - e0[:n])
         return h1 + k * (h1 - h0), e
 
     def stats(self) -> dict[str, int]:
@@ -251,7 +254,11 @@ class DiTCacheManager:
                 h_res, e_res = slot.residual(t)
                 hidden[r] = h_in + h_res
                 if encoder is not None and e_res is not None:
-                    encoder[r] = e_in + e_res
+                    # A batch pads texts to its longest one (Qwen-Image), so the text stream
+                    # may be longer or shorter than when the residual was stored; positions
+                    # past the request's own text are masked padding either way.
+                    n = min(len(e_res), encoder.shape[1])
+                    encoder[r, :n] = e_in[:n] + e_res[:n]
             else:
                 e_res = None if encoder is None or e_in is None else encoder[r] - e_in
                 slot.store(t, hidden[r] - h_in, e_res)
