@@ -4,5 +4,5 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$root/scripts/install.sh"
 cd "$root"
-ruff check vllm_omni tests benchmarks
+ruff check vllm_omni tests benchmarks scripts
 exec python -m pytest -v "$@"

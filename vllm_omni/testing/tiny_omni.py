@@ -283,8 +283,7 @@ def _save_processor(out_dir: Path, tokenizer) -> None:
         "processor_class": "Qwen2_5OmniProcessor",
     }
     (out_dir / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, sort_keys=True))
-    tokenizer.save_pretrained(out_dir)
-    (out_dir / "chat_template.jinja").write_text(OMNI_CHAT_TEMPLATE)
+    tokenizer.save_pretrained(out_dir)  # with its chat template (chat_template.jinja)
 
 
 def build_qwen2_5_omni(out_dir: Path, seed: int, dtype: str) -> None:

@@ -93,9 +93,6 @@ class CacheSlot:
             e = e1[:n] + k * (e1[:n] - e0[:n])
         return h1 + k * (h1 - h0), e
 
-    def stats(self) -> dict[str, int]:
-        return {"computed_steps": self.computed, "cached_steps": self.cached}
-
 
 @dataclass
 class _Step:
@@ -195,7 +192,7 @@ class DiTCacheManager:
             step.first_input = hidden
         starting = [r for r, (start, _) in enumerate(step.spans) if start == index]
         if starting:
-            self._decide(step, starting, index, block, kwargs)
+            self._decide(step, starting, block, kwargs)
         skipped = [
             r for r, (start, end) in enumerate(step.spans)
             if step.reuse[r] and start <= index < end
@@ -211,7 +208,7 @@ class DiTCacheManager:
             encoder_out, hidden_out = self._end_span(step, ending, encoder_out, hidden_out)
         return encoder_out, hidden_out
 
-    def _decide(self, step: _Step, rows: list[int], index: int, block, kwargs) -> None:
+    def _decide(self, step: _Step, rows: list[int], block, kwargs) -> None:
         hidden, encoder = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
         modulated = None
         for r in rows:
