@@ -42,12 +42,6 @@ def test_hf_loads_all_stages_and_generates(omni):
     assert len(hf_tokens) == N_TOKENS and len(set(hf_tokens)) > 1
 
 
-@pytest.mark.xfail(
-    raises=ImportError, strict=True,
-    reason="Qwen2.5-Omni's processor always builds Qwen2-VL's video processor, which needs "
-    "torchvision; PyPI's torchvision cannot load beside the CPU torch (see README, "
-    "Compatibility). Remove this mark once vllm_omni.compat serves a video processor.",
-)
 def test_vllm_thinker_matches_hf_greedy(omni):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

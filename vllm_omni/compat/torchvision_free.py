@@ -1,10 +1,11 @@
-"""Qwen2-VL image processing without torchvision.
+"""Qwen2-VL image and video processing without torchvision.
 
 transformers' `qwen2_vl.image_processing_qwen2_vl` (and so vLLM's Qwen2-VL, Qwen2.5-VL and
 Qwen2.5-Omni model files, which import `smart_resize` from it) needs torchvision, whose PyPI
 builds do not load beside the CPU build of torch. transformers also ships a PIL backend of
 the same processor. Where torchvision cannot be imported, this serves that module name from
-the PIL backend. Where torchvision works it does nothing.
+the PIL backend, and Qwen2-VL's video processor from `qwen2_vl_video`. Where torchvision works it
+does nothing.
 
 It is installed from vLLM's `vllm.general_plugins` entry point, so it is active in every
 process vLLM starts (API server, engine core, workers, model inspection).
@@ -45,14 +46,7 @@ def _fill_image_module(module: ModuleType) -> None:
 
 
 def _fill_video_module(module: ModuleType) -> None:
-    class Qwen2VLVideoProcessor:
-        """Stand-in so importing the Qwen2-VL package works; video needs torchvision."""
-
-        def __init__(self, *args, **kwargs) -> None:
-            raise ImportError(
-                "Qwen2-VL video processing needs torchvision, which cannot be imported here "
-                "(a CUDA build beside CPU torch?). Image, audio and text inputs work without it."
-            )
+    from vllm_omni.compat.qwen2_vl_video import Qwen2VLVideoProcessor
 
     module.Qwen2VLVideoProcessor = Qwen2VLVideoProcessor
     module.__all__ = ["Qwen2VLVideoProcessor"]
@@ -77,8 +71,15 @@ class TorchvisionFreeFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> bool:
-    """Install the finder once; returns whether it is installed."""
-    if any(isinstance(f, TorchvisionFreeFinder) for f in sys.meta_path):
-        return True
-    sys.meta_path.insert(0, TorchvisionFreeFinder())
+    """Install the finder and the video processor once; returns whether they are installed
+    (False where torchvision works and nothing is needed)."""
+    if torchvision_works():
+        return False
+    if not any(isinstance(f, TorchvisionFreeFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, TorchvisionFreeFinder())
+        # transformers resolves the video processor by name through its lazy package, which
+        # hands out a placeholder without torchvision; its auto registry is asked first.
+        from vllm_omni.compat.qwen2_vl_video import register
+
+        register()
     return True
