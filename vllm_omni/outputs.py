@@ -63,6 +63,14 @@ class OmniRequestOutput:
             self.tensors.update(SharedMemoryConnector().get(handle))
         self.tensor_handles = {}
 
+    def discard_tensors(self) -> None:
+        """Free payloads still in a connector (a no-op for ones already read)."""
+        from vllm_omni.orchestrator.connectors import SharedMemoryConnector
+
+        for handle in self.tensor_handles.values():
+            SharedMemoryConnector().discard(handle)
+        self.tensor_handles = {}
+
     @property
     def text(self) -> str | None:
         """The first choice's text (None when the stage does not output text)."""

@@ -72,9 +72,23 @@ class StageConfig(BaseModel):
     )
     output: OutputType = "text"
     final_output: bool = False
+    hidden_states: bool = Field(
+        default=False,
+        description="AR stages: also keep the hidden states and input embeddings of each "
+        "request for the stages this one feeds (its own output stays `output`).",
+    )
+    step_inputs: bool = Field(
+        default=False,
+        description="AR stages: the model reads per-position inputs that the input processor "
+        "sends along with the prompt (Qwen2.5-Omni's talker).",
+    )
     placement: Placement | None = Field(
         default=None, description="Device and memory budget, checked at start-up."
     )
+
+    @property
+    def keeps_hidden_states(self) -> bool:
+        return self.hidden_states or self.output == "hidden_states"
 
     @field_validator("input_processor")
     @classmethod
@@ -125,6 +139,8 @@ class StageConfig(BaseModel):
             )
         if self.inputs and self.input_processor is None:
             raise ValueError("a stage with inputs needs an input_processor")
+        if self.engine != "ar" and (self.hidden_states or self.step_inputs):
+            raise ValueError("hidden_states and step_inputs are options of 'ar' stages")
         return self
 
 

@@ -8,7 +8,9 @@ it. Outputs of stages marked `final_output` are yielded to the caller as they co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
+import inspect
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -18,6 +20,7 @@ from typing import Any
 from vllm import SamplingParams
 from vllm.inputs import EngineInput, PromptType
 from vllm.platforms import current_platform
+from vllm.plugins import load_general_plugins
 from vllm.usage.usage_lib import UsageContext
 
 from vllm_omni.config import PipelineConfig, StageConfig, resolve_pipeline
@@ -34,12 +37,23 @@ logger = logging.getLogger(__name__)
 
 StageSampling = SamplingParams | DiffusionParams | dict[str, Any] | None
 Stage = ARStage | DiffusionStage
-InputProcessor = Callable[[dict[str, OmniRequestOutput], Any], Any]
+InputProcessor = Callable[..., Any]
+TENSOR_OUTPUTS = {"hidden_states", "latent"}
 
 
 def load_input_processor(path: str) -> InputProcessor:
+    """`processor(upstream_outputs, prompt)`, or `processor(upstream_outputs, prompt, stage)`
+    for processors that read the consuming stage (its model config, say)."""
     module, _, func = path.partition(":")
     return getattr(importlib.import_module(module), func)
+
+
+def _call_input_processor(
+    processor: InputProcessor, upstream: dict[str, OmniRequestOutput], prompt: Any, stage: Any
+) -> Any:
+    if len(inspect.signature(processor).parameters) >= 3:
+        return processor(upstream, prompt, stage)
+    return processor(upstream, prompt)
 
 
 class AsyncOmniLLM:
@@ -76,6 +90,9 @@ class AsyncOmniLLM:
             for s in self.pipeline.stages
             if s.input_processor
         }
+        # Once, here: stages start in threads, and vLLM marks plugins loaded before it has
+        # run them, so a second thread could build its config before our models register.
+        load_general_plugins()
         # Before any engine starts: a placement that cannot fit fails here, all problems named.
         check_placement(self.pipeline, model, current_platform.device_type)
         self._start_stages(engine_kwargs, usage_context)
@@ -211,6 +228,13 @@ class AsyncOmniLLM:
         # ids); a plan of independent stages starts where the request's outputs come from.
         (prompt,) = await self.stages[stages[0].name].render([prompt])
         finished: dict[str, OmniRequestOutput] = {}
+        planned = {s.name for s in stages}
+        # Hidden states are kept only when a stage of this plan reads them.
+        keep_hidden = {
+            s.name: s.output == "hidden_states"
+            or (s.hidden_states and any(c.name in planned for c in self.pipeline.consumers(s.name)))
+            for s in stages if s.engine == "ar"
+        }
         done = {s.name: asyncio.Event() for s in stages}
         started: set[str] = set()
         outputs: asyncio.Queue = asyncio.Queue()
@@ -225,15 +249,21 @@ class AsyncOmniLLM:
                 stage_prompt = prompt
                 if stage_cfg.inputs:
                     upstream = {n: finished[n] for n in stage_cfg.inputs}
-                    stage_prompt = self._input_processors[name](upstream, prompt)
+                    stage_prompt = _call_input_processor(
+                        self._input_processors[name], upstream, prompt, stage
+                    )
                 started.add(name)
+                extra = {"keep_hidden_states": keep_hidden[name]} if name in keep_hidden else {}
                 async for out in stage.generate(f"{request_id}-{name}", stage_prompt,
-                                                params[name]):
+                                                params[name], **extra):
                     out.request_id = request_id
                     if out.finished:
                         finished[name] = out
                     if name in returned:
-                        out.resolve_tensors()
+                        if out.output_type in TENSOR_OUTPUTS:
+                            out.resolve_tensors()
+                        else:  # handles kept for downstream stages are not the caller's
+                            out = dataclasses.replace(out, tensor_handles={})
                         outputs.put_nowait(out)
             except asyncio.CancelledError:
                 raise
@@ -262,6 +292,9 @@ class AsyncOmniLLM:
             await asyncio.gather(*tasks, return_exceptions=True)
             for name in started - {n for n, e in done.items() if e.is_set()}:
                 await self.stages[name].abort(f"{request_id}-{name}")
+            # Payloads no stage read (a consumer failed or was cancelled first) are freed.
+            for out in finished.values():
+                out.discard_tensors()
 
     async def abort(self, request_id: str) -> None:
         """Abort a request in every stage (a no-op where it is not running)."""

@@ -46,6 +46,22 @@ class ShmHandle:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
+    def as_data(self) -> dict:
+        """Plain data, for channels that carry no dataclasses (vLLM's RPC, extra_args)."""
+        return {
+            "segment": self.segment,
+            "size": self.size,
+            "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors],
+        }
+
+    @classmethod
+    def from_data(cls, data: dict) -> ShmHandle:
+        return cls(
+            data["segment"],
+            data["size"],
+            tuple(TensorLayout(n, d, tuple(s), o, b) for n, d, s, o, b in data["tensors"]),
+        )
+
 
 class Connector(Protocol):
     def put(self, tensors: dict[str, torch.Tensor]) -> object: ...

@@ -1,10 +1,13 @@
 """Hidden states out of an AR stage, through vLLM's `worker_cls` extension point.
 
-The worker subclass hooks the model's final norm, splits each step's rows by request (the
-model runner lays a step's tokens out request by request, in input-batch order), and keeps
-the rows of requests that asked for them (`SamplingParams.extra_args["omni_hidden_states"]`
-= a key). Prompt rows come first, then one row per decode step: the layout of HF's
-`hidden_states[-1]`, where the last sampled token has no row yet.
+The worker (vllm_omni.engine.ar.worker) hooks the model's final norm and the input of its
+first decoder layer, splits each step's rows by request (the model runner lays a step's tokens
+out request by request, in input-batch order), and keeps the rows of requests that asked for
+them (`SamplingParams.extra_args["omni_hidden_states"]` = a key). Prompt rows come first, then
+one row per decode step: the layout of HF's `hidden_states`, where the last sampled token has
+no row yet. Two tensors per request: `hidden_states` (after the final norm, HF's
+`hidden_states[-1]`) and `embeds` (the decoder's input embeddings, multimodal ones merged in:
+HF's `hidden_states[0]`).
 
 When the request is done the orchestrator calls `take_hidden_states(key)` over
 `collective_rpc`; the worker writes the rows to shared memory and returns only a small
@@ -16,59 +19,69 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.platforms import current_platform
 
-from vllm_omni.orchestrator.connectors import SharedMemoryConnector, ShmHandle, TensorLayout
+from vllm_omni.orchestrator.connectors import SharedMemoryConnector
 
 REQUEST_KEY = "omni_hidden_states"
 
 
-def _final_norm(model: torch.nn.Module) -> torch.nn.Module:
-    for path in ("model.norm", "language_model.model.norm", "thinker.model.norm"):
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that holds the model's decoder layers and final norm."""
+    for path in ("model", "language_model.model", "thinker.model", "thinker.language_model.model"):
         module = model
         try:
             for part in path.split("."):
                 module = getattr(module, part)
         except AttributeError:
             continue
-        return module
-    raise RuntimeError(f"no final norm found on {type(model).__name__} to read hidden states")
+        if hasattr(module, "norm") and hasattr(module, "layers"):
+            return module
+    raise RuntimeError(f"no decoder layers found on {type(model).__name__} to read states from")
 
 
 class HiddenStatesMixin:
-    """Mixed into vLLM's worker class for this platform (see `worker_class_path`)."""
+    """Mixed into vLLM's worker class for this platform."""
 
-    def _omni_setup(self) -> None:
-        self._omni_rows: dict[str, list[torch.Tensor]] = {}
+    def _hidden_setup(self) -> None:
+        self._omni_rows: dict[str, dict[str, list[torch.Tensor]]] = {}
         self._omni_keys: dict[str, str] = {}  # vLLM request id -> caller's key
-        self._omni_step: torch.Tensor | None = None
+        self._omni_step: dict[str, torch.Tensor] = {}
         self._omni_connector = SharedMemoryConnector(prefix="omni-hs")
+        decoder = _decoder(self.model_runner.get_model())
 
-        def hook(_module, _inputs, output):
+        def after_norm(_module, _inputs, output):
             out = output[0] if isinstance(output, tuple) else output
-            self._omni_step = out.detach()
+            self._omni_step["hidden_states"] = out.detach()
 
-        _final_norm(self.model_runner.get_model()).register_forward_hook(hook)
+        def before_first_layer(_module, args, kwargs):
+            embeds = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
+            self._omni_step["embeds"] = embeds.detach()
+
+        decoder.norm.register_forward_hook(after_norm)
+        decoder.layers[0].register_forward_pre_hook(before_first_layer, with_kwargs=True)
 
     def execute_model(self, scheduler_output: Any):
         if not hasattr(self, "_omni_rows"):
-            self._omni_setup()
+            self._hidden_setup()
         for req in scheduler_output.scheduled_new_reqs:
             extra = (req.sampling_params.extra_args or {}) if req.sampling_params else {}
             if REQUEST_KEY in extra:
                 self._omni_keys[req.req_id] = str(extra[REQUEST_KEY])
-                self._omni_rows.setdefault(self._omni_keys[req.req_id], [])
-        self._omni_step = None
+                self._omni_rows.setdefault(self._omni_keys[req.req_id], {})
+        self._omni_step = {}
         output = super().execute_model(scheduler_output)
-        step, self._omni_step = self._omni_step, None
-        if step is not None and self._omni_keys:
+        step, self._omni_step = self._omni_step, {}
+        if step and self._omni_keys:
             start = 0
             counts = scheduler_output.num_scheduled_tokens
             for req_id in self.model_runner.input_batch.req_ids:
                 n = counts.get(req_id, 0)
                 if req_id in self._omni_keys and n:
-                    key = self._omni_keys[req_id]
-                    self._omni_rows[key].append(step[start : start + n].to("cpu", copy=True))
+                    rows = self._omni_rows[self._omni_keys[req_id]]
+                    for name, tensor in step.items():
+                        rows.setdefault(name, []).append(
+                            tensor[start : start + n].to("cpu", copy=True)
+                        )
                 start += n
         for req_id in scheduler_output.finished_req_ids:
             self._omni_keys.pop(req_id, None)
@@ -80,41 +93,9 @@ class HiddenStatesMixin:
         rows = getattr(self, "_omni_rows", {}).pop(key, None)
         if not rows:
             return None
-        handle = self._omni_connector.put({"hidden_states": torch.cat(rows)})
-        return {
-            "segment": handle.segment,
-            "size": handle.size,
-            "tensors": [
-                [t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in handle.tensors
-            ],
-        }
+        handle = self._omni_connector.put({name: torch.cat(r) for name, r in rows.items()})
+        return handle.as_data()
 
     def drop_hidden_states(self, key: str) -> None:
         """Forget rows nobody will take (an aborted request)."""
         getattr(self, "_omni_rows", {}).pop(key, None)
-
-
-def handle_from_rpc(data: dict[str, Any]) -> ShmHandle:
-    return ShmHandle(
-        data["segment"],
-        data["size"],
-        tuple(TensorLayout(n, d, tuple(s), o, b) for n, d, s, o, b in data["tensors"]),
-    )
-
-
-def worker_class_path() -> str:
-    """The `worker_cls` engine arg for this platform."""
-    return f"{__name__}.{'CPU' if current_platform.is_cpu() else 'GPU'}HiddenStatesWorker"
-
-
-def __getattr__(name: str):
-    # Built lazily: importing a platform's worker module pulls in its whole runtime.
-    if name == "CPUHiddenStatesWorker":
-        from vllm.v1.worker.cpu_worker import CPUWorker
-
-        return type(name, (HiddenStatesMixin, CPUWorker), {"__module__": __name__})
-    if name == "GPUHiddenStatesWorker":
-        from vllm.v1.worker.gpu_worker import Worker
-
-        return type(name, (HiddenStatesMixin, Worker), {"__module__": __name__})
-    raise AttributeError(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import AsyncIterator
 from dataclasses import fields
 from typing import Any
@@ -15,8 +16,10 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from vllm_omni.config.placement import ar_placement_args
 from vllm_omni.config.schema import StageConfig
-from vllm_omni.engine.ar.hidden_states import REQUEST_KEY, handle_from_rpc, worker_class_path
+from vllm_omni.engine.ar import hidden_states, step_inputs
+from vllm_omni.engine.ar.worker import worker_class_path
 from vllm_omni.engine.stage import EngineStage
+from vllm_omni.orchestrator.connectors import ShmHandle
 from vllm_omni.outputs import OmniRequestOutput
 
 _ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
@@ -36,12 +39,16 @@ def stage_engine_args(
     # The placement's budget fills what neither the YAML nor the caller set.
     placed = ar_placement_args(stage, model)
     merged = {**placed, **stage.engine_args, **engine_kwargs, "model": stage.model or model}
-    if stage.output == "hidden_states" and "worker_cls" not in stage.engine_args:
-        merged["worker_cls"] = worker_class_path()
-        # A prefix-cache hit skips the forward pass over the cached prompt tokens, and so
-        # their rows: every row must be computed.
+    if isinstance(merged.get("hf_overrides"), str):  # 'module:function' from the YAML
+        module, _, func = merged["hf_overrides"].partition(":")
+        merged["hf_overrides"] = getattr(importlib.import_module(module), func)
+    if stage.keeps_hidden_states or stage.step_inputs:
+        merged.setdefault("worker_cls", worker_class_path())
+        # A prefix-cache hit skips the forward pass over the cached prompt tokens: their
+        # hidden states would be missing, and step inputs (which differ between requests
+        # with the same token ids) would be ignored. Every token must be computed.
         merged.setdefault("enable_prefix_caching", False)
-        # The compiled graph runs without Python module hooks: capture needs eager mode.
+        # The compiled graph runs without Python module hooks and callbacks: eager mode.
         merged.setdefault("enforce_eager", True)
     if stage.model and "tokenizer" not in stage.engine_args:
         merged.pop("tokenizer", None)
@@ -101,16 +108,33 @@ class ARStage(EngineStage):
         request_id: str,
         prompt: PromptType | EngineInput,
         sampling_params: SamplingParams,
+        keep_hidden_states: bool | None = None,
     ) -> AsyncIterator[OmniRequestOutput]:
-        (engine_input,) = await self.render([prompt])
+        """Run one request. `keep_hidden_states` (default: when the stage outputs them) also
+        returns the request's hidden states and input embeddings as a shared-memory handle.
+        A prompt dict may carry `step_inputs` = {"tensors": ShmHandle, "args": {...}} for a
+        stage with `step_inputs` (see engine/ar/step_inputs.py)."""
         output_type = self.config.output
-        wants_hidden = output_type == "hidden_states"
-        if wants_hidden:
-            sampling_params = sampling_params.clone()
-            sampling_params.extra_args = {
-                **(sampling_params.extra_args or {}),
-                REQUEST_KEY: request_id,
+        wants_hidden = (
+            output_type == "hidden_states" if keep_hidden_states is None else keep_hidden_states
+        )
+        extra = {}
+        if isinstance(prompt, dict) and "step_inputs" in prompt:
+            if not self.config.step_inputs:
+                raise ValueError(f"stage {self.name!r} takes no step inputs")
+            prompt = dict(prompt)
+            given = prompt.pop("step_inputs")
+            tensors = given["tensors"]
+            extra[step_inputs.REQUEST_KEY] = {
+                "tensors": tensors.as_data() if isinstance(tensors, ShmHandle) else tensors,
+                "args": given.get("args", {}),
             }
+        if wants_hidden:
+            extra[hidden_states.REQUEST_KEY] = request_id
+        if extra:
+            sampling_params = sampling_params.clone()
+            sampling_params.extra_args = {**(sampling_params.extra_args or {}), **extra}
+        (engine_input,) = await self.render([prompt])
         try:
             async for out in self.engine.generate(engine_input, sampling_params, request_id):
                 result = OmniRequestOutput(
@@ -134,4 +158,4 @@ class ARStage(EngineStage):
     async def _take_hidden_states(self, key: str) -> dict[str, Any]:
         replies = await self.engine.collective_rpc("take_hidden_states", args=(key,))
         found = [r for r in replies if r is not None]
-        return {"hidden_states": handle_from_rpc(found[0])} if found else {}
+        return {"hidden_states": ShmHandle.from_data(found[0])} if found else {}
