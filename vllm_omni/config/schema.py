@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-EngineType = Literal["ar", "diffusion"]
+EngineType = Literal["ar", "diffusion", "code2wav"]
 OutputType = Literal["text", "tokens", "hidden_states", "image", "audio", "latent"]
 
 # The `modalities` a request can ask for, by stage output type.
@@ -35,6 +35,7 @@ MODALITY_OF_OUTPUT: dict[str, str] = {
 ENGINE_OUTPUTS: dict[str, set[str]] = {
     "ar": {"text", "tokens", "hidden_states"},
     "diffusion": {"image", "latent"},
+    "code2wav": {"audio"},
 }
 
 
@@ -65,6 +66,11 @@ class StageConfig(BaseModel):
         default_factory=dict,
         description="Request defaults: SamplingParams for 'ar', DiffusionParams for 'diffusion'.",
     )
+    sampling_defaults: str | None = Field(
+        default=None,
+        description="AR stages: 'module:function' giving request defaults from the model's HF "
+        "config (ids that differ per checkpoint); `sampling_params` still win.",
+    )
     inputs: list[str] = Field(default_factory=list, description="Stages that feed this one.")
     input_processor: str | None = Field(
         default=None,
@@ -90,7 +96,7 @@ class StageConfig(BaseModel):
     def keeps_hidden_states(self) -> bool:
         return self.hidden_states or self.output == "hidden_states"
 
-    @field_validator("input_processor")
+    @field_validator("input_processor", "sampling_defaults")
     @classmethod
     def _dotted_path(cls, value: str | None) -> str | None:
         if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
@@ -106,6 +112,10 @@ class StageConfig(BaseModel):
             from vllm_omni.engine.diffusion.core import EngineOptions as args_class
 
             kind = "diffusion engine options"
+        elif info.data.get("engine") == "code2wav":
+            from vllm_omni.engine.code2wav.core import Code2WavOptions as args_class
+
+            kind = "code2wav engine options"
         else:
             from vllm.engine.arg_utils import AsyncEngineArgs as args_class
 
@@ -122,6 +132,11 @@ class StageConfig(BaseModel):
             from vllm_omni.engine.diffusion.params import DiffusionParams
 
             DiffusionParams.parse(value)  # raises, naming the field, when a value is wrong
+            return value
+        if info.data.get("engine") == "code2wav":
+            from vllm_omni.engine.code2wav.core import check_params
+
+            check_params(value, [value["speaker"]] if "speaker" in value else [])
             return value
         from vllm import SamplingParams
 

@@ -28,6 +28,7 @@ from vllm_omni.config.placement import check_placement
 from vllm_omni.config.schema import MODALITY_OF_OUTPUT
 from vllm_omni.engine.ar import ARStage
 from vllm_omni.engine.ar.stage import stage_engine_args
+from vllm_omni.engine.code2wav.stage import Code2WavStage
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.stage import DiffusionStage
 from vllm_omni.errors import StageError, StageStartError
@@ -36,23 +37,28 @@ from vllm_omni.outputs import OmniRequestOutput
 logger = logging.getLogger(__name__)
 
 StageSampling = SamplingParams | DiffusionParams | dict[str, Any] | None
-Stage = ARStage | DiffusionStage
+Stage = ARStage | DiffusionStage | Code2WavStage
 InputProcessor = Callable[..., Any]
 TENSOR_OUTPUTS = {"hidden_states", "latent"}
 
 
 def load_input_processor(path: str) -> InputProcessor:
-    """`processor(upstream_outputs, prompt)`, or `processor(upstream_outputs, prompt, stage)`
-    for processors that read the consuming stage (its model config, say)."""
+    """`processor(upstream_outputs, prompt)`; processors that need more take
+    `(upstream_outputs, prompt, stage, params)`: the consuming stage (its model config, say)
+    and the request's parameters per stage name."""
     module, _, func = path.partition(":")
     return getattr(importlib.import_module(module), func)
 
 
 def _call_input_processor(
-    processor: InputProcessor, upstream: dict[str, OmniRequestOutput], prompt: Any, stage: Any
+    processor: InputProcessor,
+    upstream: dict[str, OmniRequestOutput],
+    prompt: Any,
+    stage: Any,
+    params: dict[str, Any],
 ) -> Any:
-    if len(inspect.signature(processor).parameters) >= 3:
-        return processor(upstream, prompt, stage)
+    if len(inspect.signature(processor).parameters) >= 4:
+        return processor(upstream, prompt, stage, params)
     return processor(upstream, prompt)
 
 
@@ -109,6 +115,8 @@ class AsyncOmniLLM:
             )
             if stage.engine == "diffusion":
                 return DiffusionStage(stage, self.model, engine_kwargs, self._cache_config)
+            if stage.engine == "code2wav":
+                return Code2WavStage(stage, self.model)
             return ARStage(
                 stage, stage_engine_args(self.model, stage, engine_kwargs), usage_context
             )
@@ -250,7 +258,7 @@ class AsyncOmniLLM:
                 if stage_cfg.inputs:
                     upstream = {n: finished[n] for n in stage_cfg.inputs}
                     stage_prompt = _call_input_processor(
-                        self._input_processors[name], upstream, prompt, stage
+                        self._input_processors[name], upstream, prompt, stage, params
                     )
                 started.add(name)
                 extra = {"keep_hidden_states": keep_hidden[name]} if name in keep_hidden else {}

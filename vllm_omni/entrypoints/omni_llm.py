@@ -59,12 +59,14 @@ class OmniLLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params_list: Sequence[StageSampling] | SamplingParams | None = None,
         use_tqdm: bool = True,
+        modalities: Sequence[str] | None = None,
     ) -> list[OmniRequestOutput]:
         """Generate for every prompt; returns the final outputs in prompt order.
 
         `sampling_params_list` has one entry per stage (SamplingParams, a dict of overrides,
         or None for the stage's defaults); a single SamplingParams is fine for a one-stage
-        pipeline. Each prompt yields one output per final stage.
+        pipeline. Each prompt yields one output per final stage that `modalities` (default:
+        the pipeline's default) asks for.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -75,7 +77,7 @@ class OmniLLM:
                 p.output_kind = RequestOutputKind.FINAL_ONLY
         ids = [self._next_id() for _ in prompts]
         future = asyncio.run_coroutine_threadsafe(
-            self._generate_all(prompts, params, ids, use_tqdm), self._loop
+            self._generate_all(prompts, params, ids, use_tqdm, modalities), self._loop
         )
         try:
             return future.result()
@@ -93,6 +95,7 @@ class OmniLLM:
         params: list[Any],
         ids: list[str],
         use_tqdm: bool,
+        modalities: Sequence[str] | None,
     ) -> list[OmniRequestOutput]:
         bar = tqdm(total=len(prompts), desc="Requests", disable=not use_tqdm, dynamic_ncols=True)
         steps_done = 0
@@ -100,7 +103,7 @@ class OmniLLM:
         async def one(prompt: PromptType, request_id: str) -> list[OmniRequestOutput]:
             nonlocal steps_done
             finals, seen = [], 0
-            async for out in self.engine.generate(prompt, params, request_id):
+            async for out in self.engine.generate(prompt, params, request_id, modalities):
                 if "step" in out.metrics:  # a diffusion stage's progress: denoising steps
                     steps_done += out.metrics["step"] - seen
                     seen = out.metrics["step"]

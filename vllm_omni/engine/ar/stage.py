@@ -25,6 +25,12 @@ from vllm_omni.outputs import OmniRequestOutput
 _ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
 
 
+def load_function(path: str) -> Any:
+    """The function a 'package.module:function' string names."""
+    module, _, func = path.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
 def stage_engine_args(
     model: str, stage: StageConfig, engine_kwargs: dict[str, Any]
 ) -> AsyncEngineArgs:
@@ -40,8 +46,7 @@ def stage_engine_args(
     placed = ar_placement_args(stage, model)
     merged = {**placed, **stage.engine_args, **engine_kwargs, "model": stage.model or model}
     if isinstance(merged.get("hf_overrides"), str):  # 'module:function' from the YAML
-        module, _, func = merged["hf_overrides"].partition(":")
-        merged["hf_overrides"] = getattr(importlib.import_module(module), func)
+        merged["hf_overrides"] = load_function(merged["hf_overrides"])
     if stage.keeps_hidden_states or stage.step_inputs:
         merged.setdefault("worker_cls", worker_class_path())
         # A prefix-cache hit skips the forward pass over the cached prompt tokens: their
@@ -71,9 +76,14 @@ class ARStage(EngineStage):
         self.name = config.name
         self.engine = AsyncLLM.from_engine_args(engine_args, usage_context=usage_context)
         self.model_config = self.engine.model_config
-        # The model's generation_config defaults, then the stage's own defaults from the YAML.
+        # The model's generation_config defaults, the ones derived from its config, then the
+        # stage's own defaults from the YAML.
+        derived = {}
+        if config.sampling_defaults:
+            derived = load_function(config.sampling_defaults)(self.model_config.hf_config)
         self.default_sampling = {
             **self.model_config.get_diff_sampling_param(),
+            **derived,
             **config.sampling_params,
         }
 

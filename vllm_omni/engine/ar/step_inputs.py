@@ -6,7 +6,7 @@ state for the position it is at. A request asks for it with
 data) of the upstream tensors, "args": plain values}. When the request arrives, the worker
 reads the tensors and lets the model turn them into its table
 (`model.step_table(tensors, **args)`, e.g. talker.StepTable: `rows` per position and
-`codec_from`, the first position whose token embedding counts); during each forward
+`use_codec(positions)`, where the token's own embedding counts); during each forward
 pass the model asks for the rows of the step's tokens (`model.step_inputs(positions)`), which
 the worker gathers request by request in the model runner's token layout.
 """
@@ -81,6 +81,6 @@ class StepInputsMixin:
             if table is not None and n:
                 pos = positions[start : start + n]
                 part[start : start + n] = table.rows[pos.clamp(max=len(table.rows) - 1)]
-                use_token[start : start + n, 0] = (pos >= table.codec_from).to(part.dtype)
+                use_token[start : start + n, 0] = table.use_codec(pos).to(part.dtype)
             start += n
         return part, use_token[:, 0]

@@ -11,7 +11,7 @@ import asyncio
 import multiprocessing
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -26,15 +26,25 @@ class DiffusionStartError(RuntimeError):
 
 
 class AsyncDiffusionEngine:
-    def __init__(self, model: str, options: EngineOptions | None = None) -> None:
+    """Also the client of other non-AR engine cores that speak the same protocol over the
+    pipe (`target(model, options, conn)`; messages add / abort / shutdown; outputs with
+    request_id, finished, error, error_kind, latents), such as code2wav's."""
+
+    def __init__(
+        self,
+        model: str,
+        options: Any = None,
+        target: Callable[[str, Any, Any], None] = run_engine_core,
+        process_name: str = "DiffusionEngineCore",
+    ) -> None:
         self.model = model
         self.options = options or EngineOptions()
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(
-            target=run_engine_core,
+            target=target,
             args=(model, self.options, child_conn),
-            name="DiffusionEngineCore",
+            name=process_name,
             daemon=True,
         )
         self._proc.start()

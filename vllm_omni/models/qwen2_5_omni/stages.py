@@ -2,36 +2,18 @@
 
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from vllm_omni.models.qwen2_5_omni.talker import SPEAKERS_FILE
+from vllm_omni.models.qwen2_5_omni.speakers import speaker_bos
 from vllm_omni.outputs import OmniRequestOutput
-
-DEFAULT_SPEAKER = "Chelsie"  # HF's default voice
-
-
-@cache
-def speakers(folder: str) -> dict[str, dict[str, Any]]:
-    return torch.load(Path(folder) / SPEAKERS_FILE, map_location="cpu", weights_only=True)
-
-
-def speaker_bos(folder: str, speaker: str | None) -> int:
-    table = speakers(folder)
-    name = speaker or (DEFAULT_SPEAKER if DEFAULT_SPEAKER in table else next(iter(table)))
-    if name not in table:
-        raise ValueError(f"unknown voice {name!r}; this model has {sorted(table)}")
-    return int(table[name]["bos_token"])
 
 
 def thinker_to_talker(
-    upstream: dict[str, OmniRequestOutput], prompt: Any, stage: Any
+    upstream: dict[str, OmniRequestOutput], prompt: Any, stage: Any, params: dict[str, Any]
 ) -> dict[str, Any]:
     """The talker's prompt: one codec mask per thinker prompt token, then codec pad and
-    codec bos; its step inputs are the thinker's states, passed on as their handle."""
+    codec bos; its step inputs are the thinker's states, passed on as their handle. The voice
+    is the code2wav stage's `speaker` (its text bos token starts the talker's text)."""
     thinker = upstream["thinker"]
     if "hidden_states" not in thinker.tensor_handles:
         raise ValueError("the thinker stage must keep hidden states (hidden_states: true)")
@@ -45,7 +27,36 @@ def thinker_to_talker(
             "tensors": thinker.tensor_handles["hidden_states"],
             "args": {
                 "thinker_prompt": prompt_ids,
-                "text_bos": speaker_bos(stage.model_config.model, None),
+                "text_bos": speaker_bos(
+                    stage.model_config.model, (params.get("code2wav") or {}).get("speaker")
+                ),
             },
         },
     }
+
+
+def talker_sampling(config: Any) -> dict[str, Any]:
+    """The talker's request defaults, as HF's `generate` samples it: codec eos or pad end
+    the speech, codec bos never comes out, a light repetition penalty."""
+    bos = config.tts_codec_start_token_id
+    return {
+        "temperature": 0.9,
+        "top_k": 40,
+        "top_p": 0.8,
+        "repetition_penalty": 1.05,
+        "max_tokens": 4096,
+        "stop_token_ids": [config.tts_codec_end_token_id, config.tts_codec_pad_token_id],
+        "allowed_token_ids": [i for i in range(config.vocab_size) if i != bos],
+        "detokenize": False,
+    }
+
+
+def talker_to_code2wav(
+    upstream: dict[str, OmniRequestOutput], prompt: Any
+) -> dict[str, Any]:
+    """The codes up to (not with) the first codec eos or pad, which end the speech."""
+    talker = upstream["talker"]
+    codes = list(talker.token_ids or [])
+    if codes and talker.completions[0].finish_reason == "stop":
+        codes = codes[:-1]  # vLLM keeps the stop token among the outputs
+    return {"codes": codes}

@@ -32,8 +32,9 @@ from vllm.model_executor.models.qwen2 import Qwen2Model
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 from vllm.sequence import IntermediateTensors
 
+from vllm_omni.models.qwen2_5_omni.speakers import SPEAKERS_FILE, speakers
+
 ARCHITECTURE = "Qwen2_5OmniTalkerForCodecGeneration"
-SPEAKERS_FILE = "spk_dict.pt"
 
 
 def talker_hf_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -56,11 +57,17 @@ def talker_hf_config(config: PretrainedConfig) -> PretrainedConfig:
 @dataclass
 class StepTable:
     """One request's thinker part per talker position; positions past the end reuse the
-    last row (text padding). Codec embeddings are added from `codec_from` on: before it the
-    prompt holds codec mask tokens, which only stand for positions."""
+    last row (text padding). The codec token's embedding is added at `codec_from` (the codec
+    pad) and after the prompt; not at the codec mask tokens, which only stand for positions,
+    and not at the prompt's last position (codec bos): measured, HF transformers' talker
+    prefill has the thinker's first reply row alone there, and its codec tokens match ours
+    only so."""
 
     rows: torch.Tensor
     codec_from: int
+
+    def use_codec(self, positions: torch.Tensor) -> torch.Tensor:
+        return (positions == self.codec_from) | (positions >= self.codec_from + 2)
 
 
 StepInputs = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
@@ -96,10 +103,8 @@ class Qwen2_5OmniTalkerForCodecGeneration(nn.Module):
     def _text_token_ids(self, folder: str) -> dict[int, int]:
         """Thinker token id -> row in `text_embeds`: each speaker's text bos, eos, pad."""
         ids = [self.config.tts_text_end_token_id, self.config.tts_text_pad_token_id]
-        speakers = Path(folder) / SPEAKERS_FILE
-        if speakers.exists():
-            table = torch.load(speakers, map_location="cpu", weights_only=True)
-            ids += [int(s["bos_token"]) for s in table.values()]
+        if (Path(folder) / SPEAKERS_FILE).exists():
+            ids += [int(s["bos_token"]) for s in speakers(folder).values()]
         ids.append(self.config.tts_text_start_token_id)
         return {tid: i for i, tid in enumerate(dict.fromkeys(ids))}
 
@@ -129,7 +134,7 @@ class Qwen2_5OmniTalkerForCodecGeneration(nn.Module):
             self.text_embedding(self.config.tts_text_pad_token_id)[None],
         ])
         # The talker prompt is one codec mask per thinker prompt token, then codec pad and
-        # codec bos: codec embeddings count from the pad on.
+        # codec bos.
         return StepTable(rows, codec_from=prompt_len)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
