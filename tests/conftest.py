@@ -30,6 +30,16 @@ def tiny_qwen2(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_omni(tmp_path_factory) -> str:
+    """The tiny Qwen2.5-Omni folder (thinker, talker, token2wav, voices)."""
+    from vllm_omni.compat.torchvision_free import install
+    from vllm_omni.testing.tiny_models import make_tiny
+
+    install()  # in this process too: HF references use the same processors as vLLM
+    return str(make_tiny("qwen2_5-omni-tiny", tmp_path_factory.mktemp("models") / "omni"))
+
+
+@pytest.fixture(scope="session")
 def vllm_llm(tiny_qwen2):
     """vLLM's own offline LLM on the tiny model: the reference."""
     from vllm import LLM

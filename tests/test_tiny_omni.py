@@ -38,15 +38,11 @@ def _hf_inputs(data: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def omni(tmp_path_factory):
+def omni(tiny_omni):
     """The folder, and per case its prompt, multimodal data and HF's greedy thinker tokens."""
     from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
 
-    from vllm_omni.compat.torchvision_free import install
-    from vllm_omni.testing.tiny_models import make_tiny
-
-    install()  # in this process too: the HF reference uses the same processors as vLLM
-    folder = make_tiny("qwen2_5-omni-tiny", tmp_path_factory.mktemp("omni") / "omni")
+    folder = tiny_omni
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder).eval()
     processor = AutoProcessor.from_pretrained(folder)
     assert model.dtype == torch.float32

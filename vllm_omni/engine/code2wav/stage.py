@@ -6,6 +6,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import torch
+
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.code2wav.core import Code2WavOptions, check_params, run_code2wav_core
 from vllm_omni.engine.diffusion.client import AsyncDiffusionEngine
@@ -53,5 +55,6 @@ class Code2WavStage(EngineStage):
                 output_type="audio",
                 finished=out.finished,
                 audio=AudioOutput(out.waveform, out.sample_rate),
-                metrics={"seed": out.seed, "num_codes": len(prompt["codes"])},
+                tensors={"codes": torch.tensor(prompt["codes"], dtype=torch.long)},
+                metrics={"seed": out.seed},
             )

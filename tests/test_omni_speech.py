@@ -1,0 +1,121 @@
+"""Qwen2.5-Omni speaking: the built-in pipeline (thinker -> talker -> code2wav) on the tiny
+model equals HF transformers' `generate(return_audio=True)`: thinker tokens, talker codec
+tokens and waveform, for several requests running at once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from vllm import SamplingParams
+
+THINKER_TOKENS, TALKER_TOKENS, SEED = 12, 40, 1234
+PROMPTS = ["Tell me a story about a red fox.", "What is two plus two?", "Sing."]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def chat_prompt(processor, text: str) -> str:
+    return processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": text}]}],
+        add_generation_prompt=True, tokenize=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_speech(tiny_omni):
+    """Per prompt: its chat text, and HF's thinker tokens, talker codes and waveform."""
+    from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
+
+    from vllm_omni.testing.tiny_omni import TALKER_EOS_IDS
+
+    processor = AutoProcessor.from_pretrained(tiny_omni)
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_omni).eval()
+    talker_generate = model.talker.generate
+    calls = []
+
+    def recording(*args, **kwargs):  # HF returns no codec tokens: read them on the way
+        out = talker_generate(*args, **kwargs)
+        calls.append(out[0, kwargs["input_ids"].shape[1]:].tolist())
+        return out
+
+    model.talker.generate = recording
+    refs = []
+    for text in PROMPTS:
+        prompt = chat_prompt(processor, text)
+        inputs = processor(text=prompt, return_tensors="pt")
+        torch.manual_seed(SEED)  # token2wav draws its noise from the global generator
+        with torch.no_grad():
+            sequences, waveform = model.generate(
+                **inputs, return_audio=True, thinker_max_new_tokens=THINKER_TOKENS,
+                thinker_do_sample=False, talker_do_sample=False,
+                talker_max_new_tokens=TALKER_TOKENS, talker_eos_token_id=TALKER_EOS_IDS,
+            )
+        thinker = sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        refs.append((prompt, thinker, calls.pop(), waveform.numpy()))
+    return refs
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("omni-*")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(scope="module")
+def speech_llm(tiny_omni):
+    """The built-in pipeline of the architecture."""
+    from vllm_omni import OmniLLM
+
+    llm = OmniLLM(tiny_omni, dtype="float32", max_model_len=1024)
+    assert llm.pipeline.name == "qwen2_5_omni"
+    yield llm
+    llm.shutdown()
+
+
+def params(**code2wav) -> list:
+    return [
+        SamplingParams(temperature=0, max_tokens=THINKER_TOKENS),
+        {"temperature": 0, "max_tokens": TALKER_TOKENS},
+        {"seed": SEED, **code2wav},
+    ]
+
+
+def test_speech_equals_hf(speech_llm, hf_speech):
+    before = shm_segments()
+    outs = speech_llm.generate([r[0] for r in hf_speech], params(), modalities=["text", "audio"])
+    by_stage = {s: [o for o in outs if o.stage == s] for s in ("thinker", "code2wav")}
+    assert all(len(v) == len(PROMPTS) for v in by_stage.values())
+    for i, (_, thinker, codes, waveform) in enumerate(hf_speech):
+        assert by_stage["thinker"][i].token_ids == thinker
+        # The talker's codes, as code2wav got them (HF's run to the token cap, no eos).
+        assert by_stage["code2wav"][i].tensors["codes"].tolist() == codes
+        audio = by_stage["code2wav"][i].audio
+        assert audio.sample_rate == 24000
+        np.testing.assert_allclose(audio.waveform, waveform, atol=1e-5)
+    # The thinker's states went to the talker's worker and were freed there.
+    assert shm_segments() <= before
+
+
+def test_text_only_runs_the_thinker_alone(speech_llm, hf_speech):
+    before = shm_segments()
+    outs = speech_llm.generate([hf_speech[0][0]], params())  # default modalities: text
+    assert [o.stage for o in outs] == ["thinker"]
+    assert outs[0].token_ids == hf_speech[0][1]
+    assert shm_segments() <= before  # no hidden states kept for a talker that never runs
+
+
+def test_voices_and_bad_parameters(speech_llm, hf_speech):
+    prompt = hf_speech[0][0]
+    chelsie, ethan = (
+        speech_llm.generate([prompt], params(speaker=v), modalities=["audio"])[0]
+        for v in ("Chelsie", "Ethan")
+    )
+    assert chelsie.stage == ethan.stage == "code2wav"
+    np.testing.assert_allclose(chelsie.audio.waveform, hf_speech[0][3], atol=1e-5)
+    assert not np.allclose(chelsie.audio.waveform, ethan.audio.waveform)
+    with pytest.raises(ValueError, match="unknown voice"):
+        speech_llm.generate([prompt], params(speaker="Nobody"), modalities=["audio"])
+    with pytest.raises(ValueError, match="unknown code2wav parameters"):
+        speech_llm.generate([prompt], params(loudness=3), modalities=["audio"])
