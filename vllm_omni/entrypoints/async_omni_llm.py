@@ -165,6 +165,14 @@ class AsyncOmniLLM:
                 return self.stages[s.name]
         return None
 
+    @property
+    def audio_stage(self) -> Code2WavStage | None:
+        """The final stage that outputs audio (None when the pipeline makes none)."""
+        for s in self.order:
+            if s.final_output and s.output == "audio":
+                return self.stages[s.name]
+        return None
+
     def sampling_params_list(
         self, given: Sequence[StageSampling] | SamplingParams | None
     ) -> list[SamplingParams | DiffusionParams]:

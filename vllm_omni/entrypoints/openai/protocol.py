@@ -11,7 +11,17 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 
+class AudioOutputParams(BaseModel):
+    """OpenAI's `audio` request field: how to speak when `modalities` has "audio"."""
+
+    voice: str | None = None
+    format: str = "wav"
+
+
 class OmniChatCompletionRequest(ChatCompletionRequest):
+    audio: AudioOutputParams | None = Field(
+        default=None, description='Voice and format of the spoken answer (modalities "audio").'
+    )
     stage_sampling_params: dict[str, dict[str, Any]] | None = Field(
         default=None,
         description="Per-stage sampling overrides, keyed by stage name "

@@ -8,6 +8,7 @@ under `vllm serve`. Responses use vLLM's OpenAI response models.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,8 +38,10 @@ from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
+from vllm_omni.entrypoints.openai.audio import FORMATS, audio_b64
 from vllm_omni.entrypoints.openai.images import ImageServing, chat_image_prompt, encode_image
 from vllm_omni.entrypoints.openai.protocol import (
+    AudioOutputParams,
     OmniChatCompletionRequest,
     OmniCompletionRequest,
     OmniHTTPError,
@@ -117,10 +120,15 @@ class OpenAIServing:
 
     # -- sampling -----------------------------------------------------------------------
 
-    def sampling_params_list(self, request: Request, prompt_len: int) -> list[SamplingParams]:
-        """The text stage takes the request's OpenAI fields; other stages their defaults.
+    def sampling_params_list(
+        self, request: Request, prompt_len: int, extra: dict[str, dict] | None = None
+    ) -> list[SamplingParams]:
+        """The text stage takes the request's OpenAI fields; other stages their defaults,
+        then `extra` (what other request fields mean for a stage, like the voice).
         `stage_sampling_params` overrides either, per stage."""
         overrides = dict(request.stage_sampling_params or {})
+        for name, values in (extra or {}).items():
+            overrides[name] = {**values, **overrides.get(name, {})}
         names = [s.name for s in self.omni.pipeline.stages]
         unknown = sorted(set(overrides) - set(names))
         if unknown:
@@ -164,15 +172,37 @@ class OpenAIServing:
         _reject_unsupported(request)
         if self.renderer is None:
             return await self._chat_image(request, request_id)
+        extra = self._audio_params(request)
         _, engine_inputs = raise_for_error(await self.renderer.render_chat(request))
         (engine_input,) = engine_inputs
         prompt_len = len(engine_input["prompt_token_ids"])
-        params = self.sampling_params_list(request, prompt_len)
+        params = self.sampling_params_list(request, prompt_len, extra)
         outputs = self.omni.generate(engine_input, params, request_id, request.modalities)
         if request.stream:
             outputs = await _primed(outputs)
             return self._chat_stream(request, request_id, outputs, prompt_len)
         return await self._chat_full(request, request_id, outputs, prompt_len)
+
+    def _audio_params(self, request: OmniChatCompletionRequest) -> dict[str, dict]:
+        """Checks an audio answer can be made; the voice as the audio stage's parameter."""
+        if "audio" not in (request.modalities or []):
+            return {}
+        stage = self.omni.audio_stage
+        if stage is None:
+            return {}  # the plan names the missing modality in its error
+        if "text" not in request.modalities:  # as OpenAI: the transcript comes along
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, 'modalities with "audio" must also '
+                                'have "text": ["text", "audio"]', "modalities")
+        if (request.n or 1) != 1:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "audio output supports n=1 only", "n")
+        audio = request.audio or AudioOutputParams()
+        if audio.format not in FORMATS:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"audio format {audio.format!r} is not "
+                                f"supported; use one of {sorted(FORMATS)}", "audio.format")
+        if audio.voice is not None and audio.voice not in stage.speakers:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"unknown voice {audio.voice!r}; "
+                                f"this model has {stage.speakers}", "audio.voice")
+        return {stage.name: {"speaker": audio.voice}} if audio.voice else {}
 
     async def _chat_image(self, request: OmniChatCompletionRequest, request_id: str) -> dict:
         """Chat with a diffusion pipeline: the last user message is the prompt, the answer's
@@ -206,8 +236,11 @@ class OpenAIServing:
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
         }
 
-    async def _chat_full(self, request, request_id, outputs, prompt_len) -> ChatCompletionResponse:
-        final = await _last_text_output(outputs)
+    async def _chat_full(self, request, request_id, outputs, prompt_len):
+        finals = await _finals(outputs)
+        final = finals.get("text")
+        if final is None:
+            raise OmniHTTPError(HTTPStatus.INTERNAL_SERVER_ERROR, "the pipeline produced no text")
         choices = [
             ChatCompletionResponseChoice(
                 index=c.index,
@@ -217,12 +250,30 @@ class OpenAIServing:
             )
             for c in final.completions
         ]
-        return ChatCompletionResponse(
+        response = ChatCompletionResponse(
             id=request_id,
             model=request.model or self.model_name,
             choices=choices,
             usage=_usage(prompt_len, final.num_generated_tokens),
         )
+        if "audio" not in finals:
+            return response
+        # OpenAI's shape: the spoken answer, with the text as its transcript.
+        body = response.model_dump(exclude_none=True)
+        message = body["choices"][0]["message"]
+        message["audio"] = self._audio_body(request, request_id, finals["audio"],
+                                            transcript=message.pop("content", None))
+        message["content"] = None
+        return body
+
+    def _audio_body(self, request, request_id: str, out: OmniRequestOutput, **fields) -> dict:
+        fmt = (request.audio or AudioOutputParams()).format
+        return {
+            "id": f"audio-{request_id}",
+            "data": audio_b64(out.audio.waveform, out.audio.sample_rate, fmt),
+            "expires_at": int(time.time()) + 3600,
+            **fields,
+        }
 
     async def _chat_stream(
         self, request, request_id, outputs: AsyncIterator[OmniRequestOutput], prompt_len: int
@@ -249,11 +300,27 @@ class OpenAIServing:
             ]
         )
         generated = 0
+        speaking = "audio" in (request.modalities or []) and self.omni.audio_stage is not None
+
+        def audio_chunk(audio: dict) -> str:  # OpenAI's delta.audio (transcript, then data)
+            return sse(json.dumps({
+                "id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [{"index": 0, "delta": {"audio": audio}}],
+            }))
+
         try:
             async for out in outputs:
+                if out.output_type == "audio":
+                    yield audio_chunk(self._audio_body(request, request_id, out))
+                    continue
                 if out.output_type != "text":
                     continue
                 generated += out.num_generated_tokens
+                if speaking:
+                    text = "".join(c.text for c in out.completions)
+                    if text:
+                        yield audio_chunk({"transcript": text})
+                    continue
                 choices = [
                     ChatCompletionResponseStreamChoice(
                         index=c.index,
@@ -379,6 +446,15 @@ def _usage(prompt: int, generated: int) -> UsageInfo:
     )
 
 
+async def _finals(outputs: AsyncIterator[OmniRequestOutput]) -> dict[str, OmniRequestOutput]:
+    """The finished output of each output type (text, audio, ...)."""
+    finals = {}
+    async for out in outputs:
+        if out.finished:
+            finals[out.output_type] = out
+    return finals
+
+
 async def _last_text_output(outputs: AsyncIterator[OmniRequestOutput]) -> OmniRequestOutput:
     final = None
     async for out in outputs:
@@ -452,8 +528,6 @@ def error_status(e: BaseException) -> tuple[HTTPStatus, str, str | None]:
 
 
 def _stream_error(e: BaseException) -> str:
-    import json
-
     from vllm_omni.entrypoints.openai.protocol import error_body
 
     return json.dumps(error_body(*error_status(e)))
