@@ -94,9 +94,9 @@ def test_streamed_transcript_then_audio(client, hf_answer):
     for chunk in stream:
         audio = getattr(chunk.choices[0].delta, "audio", None) if chunk.choices else None
         if audio:
-            transcript.append(audio.get("transcript") or "")
-            if audio.get("data"):
-                data.append(base64.b64decode(audio["data"]))
+            transcript.append(audio.transcript or "")
+            if audio.data:
+                data.append(base64.b64decode(audio.data))
     assert "".join(transcript) == text
     got = np.frombuffer(b"".join(data), dtype="<i2").astype(np.float32) / 32768
     np.testing.assert_allclose(got, waveform, atol=1.5 / 32768)
