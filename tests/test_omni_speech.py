@@ -4,10 +4,13 @@ tokens and waveform, for several requests running at once."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from vllm import SamplingParams
@@ -119,3 +122,49 @@ def test_voices_and_bad_parameters(speech_llm, hf_speech):
         speech_llm.generate([prompt], params(speaker="Nobody"), modalities=["audio"])
     with pytest.raises(ValueError, match="unknown code2wav parameters"):
         speech_llm.generate([prompt], params(loudness=3), modalities=["audio"])
+
+
+def busy_seconds(procs, window: float = 1.0) -> float:
+    """CPU seconds the processes use during `window`."""
+    def cpu():
+        return sum(sum(p.cpu_times()[:2]) for p in procs if p.is_running())
+    start = cpu()
+    time.sleep(window)
+    return cpu() - start
+
+
+def test_abort_mid_speech_stops_every_stage(speech_llm, hf_speech):
+    """Cancel a request while the talker speaks: no stage keeps working on it."""
+    engine = speech_llm.engine
+    talker = engine.stages["talker"].engine
+    children = psutil.Process().children(recursive=True)
+    long_speech = params()
+    long_speech[1] = {"temperature": 0, "max_tokens": 900, "stop_token_ids": []}
+
+    async def speak_and_hang_up() -> list[str]:
+        seen = []
+
+        async def consume():
+            async for out in engine.generate(hf_speech[0][0], long_speech, "hang-up",
+                                             ["text", "audio"]):
+                seen.append(out.stage)
+
+        task = asyncio.create_task(consume())
+        deadline = time.monotonic() + 60
+        while not talker.output_processor.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the talker never started"
+            await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return seen
+
+    shm_before_abort = shm_segments()
+    idle = busy_seconds(children)  # resource trackers and friends
+    seen = asyncio.run_coroutine_threadsafe(speak_and_hang_up(), speech_llm._loop).result(120)
+    assert "code2wav" not in seen
+    assert not talker.output_processor.has_unfinished_requests()
+    # Speaking 900 codes keeps the stages busy for ~15 s here; aborted, they are idle once
+    # vLLM's workers stop polling (they spin about a second after their last step).
+    time.sleep(2)
+    assert busy_seconds(children) < idle + 0.2
+    assert shm_segments() <= shm_before_abort
