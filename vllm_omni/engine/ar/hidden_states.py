@@ -7,7 +7,8 @@ them (`SamplingParams.extra_args["omni_hidden_states"]` = a key). Prompt rows co
 one row per decode step: the layout of HF's `hidden_states`, where the last sampled token has
 no row yet. Two tensors per request: `hidden_states` (after the final norm, HF's
 `hidden_states[-1]`) and `embeds` (the decoder's input embeddings, multimodal ones merged in:
-HF's `hidden_states[0]`).
+HF's `hidden_states[0]`). Models with multimodal RoPE add `positions`, the prompt's (3, P)
+positions, and `position_delta`, the offset of every later position (vLLM's own).
 
 When the request is done the orchestrator calls `take_hidden_states(key)` over
 `collective_rpc`; the worker writes the rows to shared memory and returns only a small
@@ -83,6 +84,13 @@ class HiddenStatesMixin:
                             tensor[start : start + n].to("cpu", copy=True)
                         )
                 start += n
+        for req in scheduler_output.scheduled_new_reqs:
+            state = self.model_runner.requests.get(req.req_id)
+            positions = getattr(state, "mrope_positions", None)
+            if req.req_id in self._omni_keys and positions is not None:
+                rows = self._omni_rows[self._omni_keys[req.req_id]]
+                rows["positions"] = [positions.to("cpu", copy=True)]
+                rows["position_delta"] = [torch.tensor([state.mrope_position_delta])]
         for req_id in scheduler_output.finished_req_ids:
             self._omni_keys.pop(req_id, None)
         return output
@@ -93,7 +101,11 @@ class HiddenStatesMixin:
         rows = getattr(self, "_omni_rows", {}).pop(key, None)
         if not rows:
             return None
-        handle = self._omni_connector.put({name: torch.cat(r) for name, r in rows.items()})
+        # Rows per step are stacked along tokens; positions are (3, P), the delta one value.
+        handle = self._omni_connector.put({
+            name: r[0] if name in ("positions", "position_delta") else torch.cat(r)
+            for name, r in rows.items()
+        })
         return handle.as_data()
 
     def drop_hidden_states(self, key: str) -> None:

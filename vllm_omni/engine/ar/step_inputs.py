@@ -63,9 +63,10 @@ class StepInputsMixin:
             for req_id in scheduler_output.finished_req_ids:
                 self._step_tables.pop(req_id, None)
 
-    def _step_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(thinker part, 1 where the token's own embedding counts) per token of this step;
-        None outside a scheduled step (warm-up and profiling runs)."""
+    def _step_rows(self, positions: torch.Tensor):
+        """Per token of this step: (the upstream part, 1 where the token's own embedding
+        counts, its (3,) RoPE position); None outside a scheduled step (warm-up and profiling
+        runs). Tokens of requests without step inputs get zeros, 1 and their index."""
         scheduled = self._step_scheduled
         if scheduled is None or not self._step_tables:
             return None
@@ -74,6 +75,7 @@ class StepInputsMixin:
         part = torch.zeros(len(positions), some.shape[1], dtype=some.dtype,
                            device=positions.device)
         use_token = torch.ones(len(positions), 1, dtype=part.dtype, device=positions.device)
+        rope = positions.expand(3, -1).clone()
         start = 0
         for req_id in self.model_runner.input_batch.req_ids:
             n = scheduled.num_scheduled_tokens.get(req_id, 0)
@@ -82,5 +84,6 @@ class StepInputsMixin:
                 pos = positions[start : start + n]
                 part[start : start + n] = table.rows[pos.clamp(max=len(table.rows) - 1)]
                 use_token[start : start + n, 0] = table.use_codec(pos).to(part.dtype)
+                rope[:, start : start + n] = table.rope_positions(pos)
             start += n
-        return part, use_token[:, 0]
+        return part, use_token[:, 0], rope

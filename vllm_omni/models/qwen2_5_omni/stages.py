@@ -19,12 +19,6 @@ def thinker_to_talker(
         raise ValueError("the thinker stage must keep hidden states (hidden_states: true)")
     config = stage.model_config.hf_config
     prompt_ids = list(thinker.prompt_token_ids)
-    media = {config.audio_token_index, config.image_token_index, config.video_token_index}
-    if media.intersection(prompt_ids):
-        # The talker places such prompts with multimodal RoPE positions (per frame, per
-        # second of audio); this talker runs text positions only.
-        raise ValueError("speech output is supported for text input only for now; "
-                         "ask for modalities ['text'] with image, audio or video input")
     codec = [config.tts_codec_mask_token_id] * len(prompt_ids)
     codec += [config.tts_codec_pad_token_id, config.tts_codec_start_token_id]
     return {

@@ -14,6 +14,7 @@ thinker embedding rows the talker's input needs (text bos per speaker, text eos,
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,19 +36,22 @@ from vllm.sequence import IntermediateTensors
 from vllm_omni.models.qwen2_5_omni.speakers import SPEAKERS_FILE, speakers
 
 ARCHITECTURE = "Qwen2_5OmniTalkerForCodecGeneration"
+ROPE_KEY = "omni_decoder_rope_parameters"
 
 
 def talker_hf_config(config: PretrainedConfig) -> PretrainedConfig:
     """`hf_overrides` of the talker stage: the Omni config -> its talker config.
 
-    Positions: the talker's multimodal RoPE gets the same position on all three axes for
-    text prompts, which is plain RoPE; this model runs plain RoPE (image, audio and video
-    prompts, where the axes differ, are not supported yet)."""
+    Positions: the talker's multimodal RoPE positions are the thinker's (its prompt's, then
+    offset text positions), which come with the step inputs; vLLM itself hands the model plain
+    token indices, so the config it sees has plain RoPE and the decoder gets the sections
+    back (`ROPE_KEY`)."""
     talker = getattr(config, "talker_config", None)
     if talker is None:  # vLLM also calls this on a stand-in config to probe the model type
         return config
     talker.architectures = [ARCHITECTURE]
     rope = dict(talker.rope_parameters or {})
+    setattr(talker, ROPE_KEY, dict(rope))
     rope.pop("mrope_section", None)
     rope.pop("mrope_interleaved", None)
     talker.rope_parameters = rope
@@ -65,12 +69,24 @@ class StepTable:
 
     rows: torch.Tensor
     codec_from: int
+    # Multimodal RoPE positions: the thinker prompt's (3, P); every later index i is at
+    # i + delta on all three axes.
+    prompt_positions: torch.Tensor
+    delta: int = 0
 
     def use_codec(self, positions: torch.Tensor) -> torch.Tensor:
         return (positions == self.codec_from) | (positions >= self.codec_from + 2)
 
+    def rope_positions(self, index: torch.Tensor) -> torch.Tensor:
+        """(3, N) RoPE positions of the token indices `index`."""
+        out = (index + self.delta).expand(3, -1).clone()
+        inside = index < self.prompt_positions.shape[1]
+        out[:, inside] = self.prompt_positions[:, index[inside]]
+        return out
 
-StepInputs = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
+
+# token indices -> (thinker part, 1 where the token's embedding counts, RoPE positions)
+StepInputs = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
 
 
 class Qwen2_5OmniTalkerForCodecGeneration(nn.Module):
@@ -78,7 +94,13 @@ class Qwen2_5OmniTalkerForCodecGeneration(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        self.model = Qwen2Model(vllm_config=vllm_config, prefix=f"{prefix}model")
+        # The decoder runs the multimodal RoPE the checkpoint has (see talker_hf_config).
+        decoder_config = copy.deepcopy(config)
+        decoder_config.rope_parameters = getattr(config, ROPE_KEY, config.rope_parameters)
+        self.mrope = "mrope_section" in decoder_config.rope_parameters
+        self.model = Qwen2Model(
+            vllm_config=vllm_config.with_hf_config(decoder_config), prefix=f"{prefix}model"
+        )
         # Codec embeddings live at the thinker's width, before the projection.
         self.model.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.embedding_size, prefix=f"{prefix}model.embed_tokens"
@@ -126,6 +148,10 @@ class Qwen2_5OmniTalkerForCodecGeneration(nn.Module):
                               self.config.video_token_index])
         embeds[:prompt_len][torch.isin(torch.tensor(thinker_prompt), media)] = 0
         thinker = (hidden + embeds).to(self.text_embeds)
+        if "positions" in tensors:
+            positions, delta = tensors["positions"].long(), int(tensors["position_delta"])
+        else:  # a thinker without multimodal RoPE: plain positions
+            positions, delta = torch.arange(prompt_len).expand(3, -1), 0
         rows = torch.cat([
             thinker[:prompt_len],
             self.text_embedding(text_bos)[None],
@@ -135,7 +161,7 @@ class Qwen2_5OmniTalkerForCodecGeneration(nn.Module):
         ])
         # The talker prompt is one codec mask per thinker prompt token, then codec pad and
         # codec bos.
-        return StepTable(rows, codec_from=prompt_len)
+        return StepTable(rows, prompt_len, positions.to(rows.device), delta)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -152,8 +178,11 @@ class Qwen2_5OmniTalkerForCodecGeneration(nn.Module):
             inputs_embeds = self.model.embed_tokens(input_ids)
         step = self.step_inputs(positions) if self.step_inputs is not None else None
         if step is not None:
-            thinker_part, use_codec = step
+            thinker_part, use_codec, rope_positions = step
             inputs_embeds = inputs_embeds * use_codec[:, None] + thinker_part
+        if self.mrope:
+            # Tokens without step inputs (warm-up runs) sit at their index on every axis.
+            positions = positions.expand(3, -1) if step is None else rope_positions
         projected, _ = self.thinker_to_talker_proj(inputs_embeds)
         return self.model(None, positions, intermediate_tensors, projected)
 
