@@ -39,6 +39,27 @@ def tiny_omni(tmp_path_factory) -> str:
     return str(make_tiny("qwen2_5-omni-tiny", tmp_path_factory.mktemp("models") / "omni"))
 
 
+def hf_talker_with_attention_mask(model) -> None:
+    """Make HF's Qwen2.5-Omni talker run the way its code is written.
+
+    transformers 5.19's `generate` hands the talker no attention_mask, and the talker computes
+    its multimodal RoPE positions (and adds the codec pad / bos embeddings to its prompt) only
+    when it gets one; without, it runs plain positions and leaves those out. An all-ones mask
+    is what the talker expects for one unpadded request."""
+    import torch
+
+    def add_mask(_module, args, kwargs):
+        if kwargs.get("attention_mask") is None:
+            cache = kwargs.get("past_key_values")
+            past = cache.get_seq_length() if cache is not None else 0
+            new = kwargs.get("inputs_embeds")
+            new = kwargs["input_ids"] if new is None else new
+            kwargs["attention_mask"] = torch.ones(1, past + new.shape[1], dtype=torch.long)
+        return args, kwargs
+
+    model.talker.register_forward_pre_hook(add_mask, with_kwargs=True)
+
+
 @pytest.fixture(scope="session")
 def vllm_llm(tiny_qwen2):
     """vLLM's own offline LLM on the tiny model: the reference."""

@@ -30,12 +30,14 @@ SPEECH = {  # the talker and code2wav settings of the reference run
 @pytest.fixture(scope="module")
 def hf_answer(tiny_omni):
     """HF's text and waveform for MESSAGES with the voice Ethan."""
+    from conftest import hf_talker_with_attention_mask
     from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
 
     from vllm_omni.testing.tiny_omni import TALKER_EOS_IDS
 
     processor = AutoProcessor.from_pretrained(tiny_omni)
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_omni).eval()
+    hf_talker_with_attention_mask(model)
     prompt = processor.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=prompt, return_tensors="pt")
     torch.manual_seed(SEED)
@@ -122,7 +124,7 @@ def test_bad_audio_requests_are_400(client, kwargs, match):
                                        max_tokens=4, **kwargs)
 
 
-def test_image_input_answers_in_text_and_refuses_speech(client):
+def test_image_input_answers_in_text_and_speech(client):
     png = io.BytesIO()
     from PIL import Image
 
@@ -134,8 +136,14 @@ def test_image_input_answers_in_text_and_refuses_speech(client):
         {"type": "text", "text": "What is this?"},
     ]}]
     resp = client.chat.completions.create(model=model_name(client), messages=messages,
-                                          max_tokens=4)
-    assert resp.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="text input only"):
-        client.chat.completions.create(model=model_name(client), messages=messages,
-                                       max_tokens=4, modalities=["text", "audio"])
+                                          temperature=0, max_tokens=4)
+    text = resp.choices[0].message.content
+    assert text
+    spoken = client.chat.completions.create(
+        model=model_name(client), messages=messages, temperature=0, max_tokens=4,
+        modalities=["text", "audio"],
+        extra_body={"stage_sampling_params": {"talker": {"max_tokens": 20}}},
+    ).choices[0].message.audio
+    assert spoken.transcript == text
+    waveform, rate = decode_wav(spoken.data)
+    assert rate == 24000 and len(waveform) > 0

@@ -1,6 +1,6 @@
 """Qwen2.5-Omni speaking: the built-in pipeline (thinker -> talker -> code2wav) on the tiny
 model equals HF transformers' `generate(return_audio=True)`: thinker tokens, talker codec
-tokens and waveform, for several requests running at once."""
+tokens and waveform, for text and for image + audio input, several requests at once."""
 
 from __future__ import annotations
 
@@ -13,30 +13,37 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from PIL import Image
 from vllm import SamplingParams
 
 THINKER_TOKENS, TALKER_TOKENS, SEED = 12, 40, 1234
 PROMPTS = ["Tell me a story about a red fox.", "What is two plus two?", "Sing."]
+RNG = np.random.default_rng(0)
+IMAGE = Image.fromarray(RNG.integers(0, 256, (56, 84, 3), dtype=np.uint8))
+AUDIO = (0.1 * np.sin(np.arange(16000) * 2 * np.pi * 440 / 16000)).astype(np.float32)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def chat_prompt(processor, text: str) -> str:
+def chat_prompt(processor, text: str, media: tuple[str, ...] = ()) -> str:
+    parts = [{"type": m} for m in media] + [{"type": "text", "text": text}]
     return processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": text}]}],
-        add_generation_prompt=True, tokenize=False,
+        [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
     )
 
 
 @pytest.fixture(scope="module")
 def hf_speech(tiny_omni):
-    """Per prompt: its chat text, and HF's thinker tokens, talker codes and waveform."""
+    """Per prompt (the text ones, then one with an image and audio): the pipeline's prompt,
+    and HF's thinker tokens, talker codes and waveform."""
+    from conftest import hf_talker_with_attention_mask
     from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
 
     from vllm_omni.testing.tiny_omni import TALKER_EOS_IDS
 
     processor = AutoProcessor.from_pretrained(tiny_omni)
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_omni).eval()
+    hf_talker_with_attention_mask(model)
     talker_generate = model.talker.generate
     calls = []
 
@@ -46,10 +53,15 @@ def hf_speech(tiny_omni):
         return out
 
     model.talker.generate = recording
+    cases = [(chat_prompt(processor, t), {}) for t in PROMPTS]
+    cases.append((chat_prompt(processor, "What is this?", ("image", "audio")),
+                  {"image": IMAGE, "audio": (AUDIO, 16000)}))
     refs = []
-    for text in PROMPTS:
-        prompt = chat_prompt(processor, text)
-        inputs = processor(text=prompt, return_tensors="pt")
+    for prompt, media in cases:
+        inputs = processor(text=prompt, return_tensors="pt",
+                           **({"images": [IMAGE], "audio": [AUDIO]} if media else {}))
+        if media:  # HF's generate hands unprefixed inputs to every stage
+            inputs["thinker_pixel_values"] = inputs.pop("pixel_values")
         torch.manual_seed(SEED)  # token2wav draws its noise from the global generator
         with torch.no_grad():
             sequences, waveform = model.generate(
@@ -58,7 +70,8 @@ def hf_speech(tiny_omni):
                 talker_max_new_tokens=TALKER_TOKENS, talker_eos_token_id=TALKER_EOS_IDS,
             )
         thinker = sequences[0, inputs["input_ids"].shape[1]:].tolist()
-        refs.append((prompt, thinker, calls.pop(), waveform.numpy()))
+        pipeline_prompt = {"prompt": prompt, "multi_modal_data": media} if media else prompt
+        refs.append((pipeline_prompt, thinker, calls.pop(), waveform.numpy()))
     return refs
 
 
@@ -89,7 +102,7 @@ def test_speech_equals_hf(speech_llm, hf_speech):
     before = shm_segments()
     outs = speech_llm.generate([r[0] for r in hf_speech], params(), modalities=["text", "audio"])
     by_stage = {s: [o for o in outs if o.stage == s] for s in ("thinker", "code2wav")}
-    assert all(len(v) == len(PROMPTS) for v in by_stage.values())
+    assert all(len(v) == len(hf_speech) for v in by_stage.values())
     for i, (_, thinker, codes, waveform) in enumerate(hf_speech):
         assert by_stage["thinker"][i].token_ids == thinker
         # The talker's codes, as code2wav got them (HF's run to the token cap, no eos).

@@ -185,7 +185,10 @@ def omni_config(ids: dict[str, int], vocab_size: int, dtype: str):
         "num_key_value_heads": 1,
         "head_dim": 32,
         "max_position_embeddings": 4096,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
+        # A low theta, so that positions (multimodal RoPE ones too) change the codes.
+        "rope_parameters": {
+            "rope_type": "default", "rope_theta": 100.0, "mrope_section": [4, 6, 6]
+        },
         "spatial_merge_size": vision_config["spatial_merge_size"],
         "initializer_range": INIT_STD,
         "pad_token_id": CODEC_PAD,

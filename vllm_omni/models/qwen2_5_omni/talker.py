@@ -61,11 +61,9 @@ def talker_hf_config(config: PretrainedConfig) -> PretrainedConfig:
 @dataclass
 class StepTable:
     """One request's thinker part per talker position; positions past the end reuse the
-    last row (text padding). The codec token's embedding is added at `codec_from` (the codec
-    pad) and after the prompt; not at the codec mask tokens, which only stand for positions,
-    and not at the prompt's last position (codec bos): measured, HF transformers' talker
-    prefill has the thinker's first reply row alone there, and its codec tokens match ours
-    only so."""
+    last row (text padding). The codec token's embedding is added from `codec_from` (the
+    codec pad, then codec bos) on; not at the codec mask tokens, which only stand for
+    positions."""
 
     rows: torch.Tensor
     codec_from: int
@@ -75,7 +73,7 @@ class StepTable:
     delta: int = 0
 
     def use_codec(self, positions: torch.Tensor) -> torch.Tensor:
-        return (positions == self.codec_from) | (positions >= self.codec_from + 2)
+        return positions >= self.codec_from
 
     def rope_positions(self, index: torch.Tensor) -> torch.Tensor:
         """(3, N) RoPE positions of the token indices `index`."""
