@@ -8,6 +8,8 @@ downloaded. Same name + seed + dtype gives the same files.
 from __future__ import annotations
 
 import fcntl
+import functools
+import hashlib
 import os
 import shutil
 import tempfile
@@ -119,9 +121,23 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
+@functools.cache
+def recipe_id() -> str:
+    """A short hash of the factory's code (this package's tiny_*.py and tokenizer.py): a
+    changed recipe gets new cache entries, so a cache never serves a model an older
+    factory built."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        if path.name.startswith("tiny_") or path.name == "tokenizer.py":
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
 def get_or_make(name: str, seed: int = 0, dtype: str = "float32") -> Path:
     """The cached folder of a tiny model, built on first use (safe across processes)."""
-    out = cache_dir() / f"{name}-{dtype}-seed{seed}"
+    if name not in BUILDERS:
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {sorted(BUILDERS)}")
+    out = cache_dir() / f"{name}-{dtype}-seed{seed}-{recipe_id()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
