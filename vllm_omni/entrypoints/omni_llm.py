@@ -47,6 +47,10 @@ class OmniLLM:
     async def _create(model: str, kwargs: dict[str, Any]) -> AsyncOmniLLM:
         return AsyncOmniLLM(model, **kwargs)
 
+    @staticmethod
+    async def _shutdown(engine: AsyncOmniLLM) -> None:
+        engine.shutdown()
+
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
@@ -130,7 +134,9 @@ class OmniLLM:
             return
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.shutdown()
+            # On the loop's thread: the engines cancel their output tasks there, before their
+            # processes go (from another thread, a task could see its engine die first).
+            self._run(self._shutdown(engine))
         self._stop_loop()
 
     def _stop_loop(self) -> None:
