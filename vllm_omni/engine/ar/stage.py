@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import AsyncIterator
 from dataclasses import fields
 from typing import Any
@@ -49,6 +50,12 @@ def stage_engine_args(
         merged["hf_overrides"] = load_function(merged["hf_overrides"])
     if stage.keeps_hidden_states or stage.step_inputs:
         merged.setdefault("worker_cls", worker_class_path())
+        # The worker reads the V1 model runner's batch layout; vLLM picks its V2 runner by
+        # default where Triton runs (GPUs). The variable is process-wide: every stage then
+        # runs the V1 runner.
+        if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") != "0":
+            raise ValueError(f"stage {stage.name!r} needs vLLM's V1 model runner; "
+                             "unset VLLM_USE_V2_MODEL_RUNNER")
         # A prefix-cache hit skips the forward pass over the cached prompt tokens: their
         # hidden states would be missing, and step inputs (which differ between requests
         # with the same token ids) would be ignored. Every token must be computed.

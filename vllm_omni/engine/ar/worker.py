@@ -1,6 +1,8 @@
 """The worker class of vllm-omni's AR stages (vLLM's `worker_cls`): vLLM's worker for this
 platform plus hidden states out (hidden_states.py) and per-step inputs in (step_inputs.py).
-Both are inert for requests that do not ask for them."""
+Both are inert for requests that do not ask for them. They read the V1 model runner's batch
+layout (`input_batch.req_ids`, `requests`), which the stage selects (VLLM_USE_V2_MODEL_RUNNER=0).
+"""
 
 from __future__ import annotations
 
