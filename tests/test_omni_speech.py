@@ -181,3 +181,25 @@ def test_abort_mid_speech_stops_every_stage(speech_llm, hf_speech):
     time.sleep(2)
     assert busy_seconds(children) < idle + 0.2
     assert shm_segments() <= shm_before_abort
+
+
+def test_code2wav_batch_equals_hf_one_by_one(tiny_omni):
+    """Requests batched in one DiT call each get HF's waveform for their own seed."""
+    from vllm_omni.engine.code2wav.core import load_token2wav
+    from vllm_omni.engine.code2wav.sampler import sample_mels
+    from vllm_omni.models.qwen2_5_omni.speakers import speakers
+
+    token2wav, _ = load_token2wav(tiny_omni, "float32", "cpu")
+    voice = speakers(tiny_omni)["Ethan"]
+    codes = torch.randint(0, 100, (3, 30), generator=torch.Generator().manual_seed(0))
+    seeds = [11, 22, 33]
+    with torch.inference_mode():
+        mels = sample_mels(token2wav.code2wav_dit_model, codes, voice["cond"][None].expand(3, -1),
+                           voice["ref_mel"].expand(3, -1, -1), seeds, 10, 0.5, -1.0)
+        batched = token2wav.code2wav_bigvgan_model(mels).reshape(3, -1)
+        for i, seed in enumerate(seeds):
+            torch.manual_seed(seed)
+            alone = token2wav(codes[i : i + 1], conditioning=voice["cond"][None],
+                              reference_mel=voice["ref_mel"]).reshape(-1)
+            torch.testing.assert_close(batched[i], alone, atol=1e-5, rtol=0)
+    assert not torch.allclose(batched[0], batched[1])

@@ -1,11 +1,12 @@
 """The code2wav engine core: a loop in its own process that turns codec tokens into audio.
 
-It runs HF transformers' Qwen2.5-Omni token2wav (flow-matching DiT, then the BigVGAN
-vocoder), loaded alone from the model folder's `token2wav.*` weights. Requests run one at a
-time in arrival order: the DiT draws its starting noise inside its sampling call, so a
-request's waveform equals HF's for its seed only when decoded on its own (as HF does too).
-Messages are read between requests, so an abort drops a waiting request at once and a
-running one right after its decode.
+It runs HF transformers' Qwen2.5-Omni token2wav modules (flow-matching DiT, then the BigVGAN
+vocoder), loaded alone from the model folder's `token2wav.*` weights, with our sampler
+(sampler.py): the waiting requests with the same code length, voice and solver settings are
+decoded as one batch (up to `max_batch_size`), each from its own seed's noise, so a request's
+waveform equals HF's for its seed whatever it is batched with. Oldest request first; messages
+are read between batches, so an abort drops a waiting request at once and a running one
+right after its batch.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Code2WavOptions:
     dtype: str = "float32"  # HF runs token2wav in float32 whatever the rest of the model
     device: str = "cpu"
     num_threads: int | None = None
+    max_batch_size: int = 8
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
@@ -60,8 +62,11 @@ def check_params(params: dict[str, Any], speakers: list[str]) -> None:
     if params.get("speaker") is not None and params["speaker"] not in speakers:
         raise ValueError(f"unknown voice {params['speaker']!r}; this model has {speakers}")
     if "num_steps" in params and not (isinstance(params["num_steps"], int)
-                                      and params["num_steps"] >= 1):
-        raise ValueError("num_steps must be an integer >= 1")
+                                      and params["num_steps"] >= 2):
+        raise ValueError("num_steps must be an integer >= 2")
+    seed = params.get("seed")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
+        raise ValueError("seed must be an integer in [0, 2**63)")
 
 
 def load_token2wav(folder: str, dtype: str, device: str):
@@ -107,6 +112,7 @@ class Code2WavCore:
         self.dtype = getattr(torch, options.dtype)
         self.speakers = speakers(model)
         check_params(options.defaults, list(self.speakers))
+        self.max_batch_size = options.max_batch_size
         self.waiting: OrderedDict[str, tuple[list[int], dict[str, Any]]] = OrderedDict()
         self.running = True
 
@@ -132,22 +138,39 @@ class Code2WavCore:
         elif kind == "shutdown":
             self.running = False
 
-    def decode(self, codes: list[int], params: dict[str, Any]) -> tuple[np.ndarray, int]:
+    def batch_key(self, codes: list[int], params: dict[str, Any]) -> tuple:
+        speaker = params.get("speaker") or default_speaker(list(self.speakers))
+        return (len(codes), speaker, params["num_steps"], params["guidance_scale"],
+                params["sway_coefficient"])
+
+    def next_batch(self) -> list[tuple[str, list[int], dict[str, Any]]]:
+        """The oldest waiting request and the waiting ones it can share a DiT call with."""
+        first_id, (codes, params) = next(iter(self.waiting.items()))
+        key = self.batch_key(codes, params)
+        batch = [(rid, c, p) for rid, (c, p) in self.waiting.items()
+                 if self.batch_key(c, p) == key][: self.max_batch_size]
+        for rid, _, _ in batch:
+            del self.waiting[rid]
+        return batch
+
+    def decode(self, batch: list[tuple[str, list[int], dict[str, Any]]]) -> list[np.ndarray]:
         import torch
 
-        speaker = self.speakers[params.get("speaker") or default_speaker(list(self.speakers))]
-        seed = params.get("seed")
-        seed = secrets.randbits(63) if seed is None else int(seed)
-        torch.manual_seed(seed)  # the DiT draws its noise from the global generator
-        wave = self.token2wav(
-            torch.tensor([codes], device=self.device),
-            conditioning=speaker["cond"].to(self.device, self.dtype)[None],
-            reference_mel=speaker["ref_mel"].to(self.device, self.dtype),
-            num_steps=params["num_steps"],
-            guidance_scale=params["guidance_scale"],
-            sway_coefficient=params["sway_coefficient"],
+        from vllm_omni.engine.code2wav.sampler import sample_mels
+
+        _, codes, params = batch[0]
+        length, speaker_name, num_steps, guidance, sway = self.batch_key(codes, params)
+        speaker = self.speakers[speaker_name]
+        n = len(batch)
+        mels = sample_mels(
+            self.token2wav.code2wav_dit_model,
+            torch.tensor([c for _, c, _ in batch], device=self.device),
+            speaker["cond"].to(self.device, self.dtype)[None].expand(n, -1),
+            speaker["ref_mel"].to(self.device, self.dtype).expand(n, -1, -1),
+            [p["seed"] for _, _, p in batch], num_steps, guidance, sway,
         )
-        return wave.reshape(-1).float().cpu().numpy(), seed
+        waves = self.token2wav.code2wav_bigvgan_model(mels).reshape(n, -1)
+        return list(waves.float().cpu().numpy())
 
     def run(self) -> None:
         import torch
@@ -159,17 +182,25 @@ class Code2WavCore:
                 while self.running and self.conn.poll(0):
                     self.handle(self.conn.recv())
                 if self.running and self.waiting:
-                    request_id, (codes, params) = self.waiting.popitem(last=False)
-                    try:
-                        wave, seed = self.decode(codes, params)
-                    except Exception as e:
-                        logger.error("code2wav request %s failed:\n%s", request_id,
-                                     traceback.format_exc())
-                        self.conn.send(Code2WavOutput(request_id, True, error=repr(e),
-                                                      error_kind="internal"))
-                        continue
-                    self.conn.send(Code2WavOutput(request_id, True, wave, self.sample_rate,
-                                                  seed))
+                    self.step()
+
+    def step(self) -> None:
+        batch = self.next_batch()
+        for _, _, params in batch:
+            if params.get("seed") is None:
+                params["seed"] = secrets.randbits(63)
+        try:
+            waves = self.decode(batch)
+        except Exception as e:
+            logger.error("code2wav requests %s failed:\n%s", [r for r, _, _ in batch],
+                         traceback.format_exc())
+            for request_id, _, _ in batch:
+                self.conn.send(Code2WavOutput(request_id, True, error=repr(e),
+                                              error_kind="internal"))
+            return
+        for (request_id, _, params), wave in zip(batch, waves, strict=True):
+            self.conn.send(Code2WavOutput(request_id, True, wave, self.sample_rate,
+                                          int(params["seed"])))
 
 
 def run_code2wav_core(model: str, options: Code2WavOptions, conn: Connection) -> None:
