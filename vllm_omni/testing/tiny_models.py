@@ -93,6 +93,7 @@ BUILDERS: dict[str, Callable[[Path, int, str], None]] = {
     **{name: _qwen2_builder(size) for name, size in QWEN2_SIZES.items()},
     **{name: _diffusers_builder(name) for name in DIFFUSERS_MODELS},
     "qwen2_5-omni-tiny": build_qwen2_5_omni,
+    "qwen2_5-omni-small": functools.partial(build_qwen2_5_omni, size="small"),
 }
 
 

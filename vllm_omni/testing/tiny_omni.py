@@ -105,7 +105,29 @@ def _token_ids(tokenizer) -> dict[str, int]:
     return ids
 
 
-def omni_config(ids: dict[str, int], vocab_size: int, dtype: str):
+# Widths of the thinker's and talker's decoders: "tiny" for tests, "small" where their compute
+# shows (about 20M parameters); token2wav and the encoders stay tiny in both.
+SIZES = {
+    "tiny": {"thinker": (128, 256, 2), "talker": (64, 128, 2)},
+    "small": {"thinker": (512, 1536, 4), "talker": (256, 768, 4)},
+}
+
+
+def _decoder(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int) -> dict:
+    head_dim = hidden // heads
+    unit = head_dim // 16  # mrope_section splits head_dim / 2 into (time, height, width)
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "mrope_section": [unit * 2, unit * 3, unit * 3],
+    }
+
+
+def omni_config(ids: dict[str, int], vocab_size: int, dtype: str, size: str = "tiny"):
     """The tiny Qwen2_5OmniConfig: the real structure, every width shrunk."""
     from transformers import Qwen2_5OmniConfig
 
@@ -118,16 +140,18 @@ def omni_config(ids: dict[str, int], vocab_size: int, dtype: str):
         "vision_start_token_id": ids["<|vision_bos|>"],
         "vision_end_token_id": ids["<|vision_eos|>"],
     }
+    thinker = _decoder(*SIZES[size]["thinker"], heads=4, kv_heads=2)
+    talker = _decoder(*SIZES[size]["talker"], heads=2, kv_heads=1)  # vLLM's CPU attention: >= 32
     text_config = {
         "vocab_size": vocab_size,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
+        "hidden_size": thinker["hidden_size"],
+        "intermediate_size": thinker["intermediate_size"],
+        "num_hidden_layers": thinker["num_hidden_layers"],
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 4096,
-        # mrope_section splits head_dim / 2 = 16 into (time, height, width).
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                            "mrope_section": thinker["mrope_section"]},
         "tie_word_embeddings": False,
         "initializer_range": INIT_STD,
         "bos_token_id": None,
@@ -177,18 +201,11 @@ def omni_config(ids: dict[str, int], vocab_size: int, dtype: str):
         "tts_codec_pad_token_id": CODEC_PAD,
         "tts_codec_mask_token_id": CODEC_MASK,
         "embedding_size": text_config["hidden_size"],  # it reads the thinker's embeddings
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        # vLLM's CPU attention takes head sizes from 32 up.
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
+        **{k: v for k, v in talker.items() if k != "mrope_section"},
         "max_position_embeddings": 4096,
         # A low theta, so that positions (multimodal RoPE ones too) change the codes.
-        "rope_parameters": {
-            "rope_type": "default", "rope_theta": 100.0, "mrope_section": [4, 6, 6]
-        },
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100.0,
+                            "mrope_section": talker["mrope_section"]},
         "spatial_merge_size": vision_config["spatial_merge_size"],
         "initializer_range": INIT_STD,
         "pad_token_id": CODEC_PAD,
@@ -290,13 +307,14 @@ def _save_processor(out_dir: Path, tokenizer) -> None:
     tokenizer.save_pretrained(out_dir)  # with its chat template (chat_template.jinja)
 
 
-def build_qwen2_5_omni(out_dir: Path, seed: int, dtype: str) -> None:
-    """Write the tiny Qwen2.5-Omni folder (about 7 MB, 1.76M parameters) to `out_dir`."""
+def build_qwen2_5_omni(out_dir: Path, seed: int, dtype: str, size: str = "tiny") -> None:
+    """Write the tiny Qwen2.5-Omni folder (about 7 MB, 1.76M parameters; "small": thinker
+    and talker wider and deeper) to `out_dir`."""
     from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
 
     tokenizer = _tokenizer(seed)
     ids = _token_ids(tokenizer)
-    config = omni_config(ids, len(tokenizer), dtype)
+    config = omni_config(ids, len(tokenizer), dtype, size)
     torch.manual_seed(seed)
     model = Qwen2_5OmniForConditionalGeneration(config).eval()
     _reinit_token2wav(model)
