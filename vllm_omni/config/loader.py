@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -14,6 +16,12 @@ BUILTIN_DIR = Path(__file__).parent / "pipelines"
 DEFAULT_PIPELINE = "llm"
 # A diffusers-format folder (model_index.json) is served by one diffusion stage.
 DIFFUSERS_PIPELINE = "diffusion"
+
+
+def load_function(path: str) -> Any:
+    """The function a 'package.module:function' string of a pipeline config names."""
+    module, _, func = path.partition(":")
+    return getattr(importlib.import_module(module), func)
 
 
 class PipelineConfigError(ValueError):

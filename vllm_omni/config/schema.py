@@ -136,7 +136,7 @@ class StageConfig(BaseModel):
         if info.data.get("engine") == "code2wav":
             from vllm_omni.engine.code2wav.core import check_params
 
-            check_params(value, [value["speaker"]] if "speaker" in value else [])
+            check_params(value, speakers=None)  # the model's voices are known at start-up
             return value
         from vllm import SamplingParams
 

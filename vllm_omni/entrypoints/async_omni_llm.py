@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import inspect
 import logging
 import uuid
@@ -24,6 +23,7 @@ from vllm.plugins import load_general_plugins
 from vllm.usage.usage_lib import UsageContext
 
 from vllm_omni.config import PipelineConfig, StageConfig, resolve_pipeline
+from vllm_omni.config.loader import load_function
 from vllm_omni.config.placement import check_placement
 from vllm_omni.config.schema import MODALITY_OF_OUTPUT
 from vllm_omni.engine.ar import ARStage
@@ -43,23 +43,13 @@ TENSOR_OUTPUTS = {"hidden_states", "latent"}
 
 
 def load_input_processor(path: str) -> InputProcessor:
-    """`processor(upstream_outputs, prompt)`; processors that need more take
-    `(upstream_outputs, prompt, stage, params)`: the consuming stage (its model config, say)
-    and the request's parameters per stage name."""
-    module, _, func = path.partition(":")
-    return getattr(importlib.import_module(module), func)
-
-
-def _call_input_processor(
-    processor: InputProcessor,
-    upstream: dict[str, OmniRequestOutput],
-    prompt: Any,
-    stage: Any,
-    params: dict[str, Any],
-) -> Any:
-    if len(inspect.signature(processor).parameters) >= 4:
-        return processor(upstream, prompt, stage, params)
-    return processor(upstream, prompt)
+    """The processor as `f(upstream_outputs, prompt, stage, params)`. Processors may take
+    just `(upstream_outputs, prompt)`; those that need more get the consuming stage (its model
+    config, say) and the request's parameters per stage name."""
+    func = load_function(path)
+    if len(inspect.signature(func).parameters) >= 4:
+        return func
+    return lambda upstream, prompt, _stage, _params: func(upstream, prompt)
 
 
 class AsyncOmniLLM:
@@ -151,27 +141,26 @@ class AsyncOmniLLM:
     def text_stage(self) -> ARStage | None:
         """The stage whose text is the request's text answer (OpenAI sampling params go here):
         the final text stage, else the first AR stage; None in a pipeline without AR stages."""
-        for s in self.order:
-            if s.final_output and s.output == "text":
-                return self.stages[s.name]
+        final = self._final_stage("text")
+        if final is not None:
+            return final
         ar = [self.stages[s.name] for s in self.order if s.engine == "ar"]
         return ar[0] if ar else None
 
-    @property
-    def image_stage(self) -> DiffusionStage | None:
-        """The final stage that outputs images (None when the pipeline makes none)."""
+    def _final_stage(self, output: str) -> Stage | None:
+        """The final stage with this output type (None when the pipeline makes none)."""
         for s in self.order:
-            if s.final_output and s.output == "image":
+            if s.final_output and s.output == output:
                 return self.stages[s.name]
         return None
 
     @property
+    def image_stage(self) -> DiffusionStage | None:
+        return self._final_stage("image")
+
+    @property
     def audio_stage(self) -> Code2WavStage | None:
-        """The final stage that outputs audio (None when the pipeline makes none)."""
-        for s in self.order:
-            if s.final_output and s.output == "audio":
-                return self.stages[s.name]
-        return None
+        return self._final_stage("audio")
 
     def sampling_params_list(
         self, given: Sequence[StageSampling] | SamplingParams | None
@@ -265,9 +254,7 @@ class AsyncOmniLLM:
                 stage_prompt = prompt
                 if stage_cfg.inputs:
                     upstream = {n: finished[n] for n in stage_cfg.inputs}
-                    stage_prompt = _call_input_processor(
-                        self._input_processors[name], upstream, prompt, stage, params
-                    )
+                    stage_prompt = self._input_processors[name](upstream, prompt, stage, params)
                 started.add(name)
                 extra = {"keep_hidden_states": keep_hidden[name]} if name in keep_hidden else {}
                 async for out in stage.generate(f"{request_id}-{name}", stage_prompt,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import AsyncIterator
 from dataclasses import fields
@@ -15,6 +14,7 @@ from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from vllm_omni.config.loader import load_function
 from vllm_omni.config.placement import ar_placement_args
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.ar import hidden_states, step_inputs
@@ -24,12 +24,6 @@ from vllm_omni.orchestrator.connectors import ShmHandle
 from vllm_omni.outputs import OmniRequestOutput
 
 _ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
-
-
-def load_function(path: str) -> Any:
-    """The function a 'package.module:function' string names."""
-    module, _, func = path.partition(":")
-    return getattr(importlib.import_module(module), func)
 
 
 def stage_engine_args(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import secrets
 import traceback
 from collections import OrderedDict
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni.engine.core_process import serve_core
 from vllm_omni.models.qwen2_5_omni.speakers import default_speaker, speakers
 
 logger = logging.getLogger(__name__)
@@ -55,12 +55,14 @@ class Code2WavOutput:
     latents: Any = None  # part of the engine-client protocol; code2wav sends none
 
 
-def check_params(params: dict[str, Any], speakers: list[str]) -> None:
+def check_params(params: dict[str, Any], speakers: list[str] | None) -> None:
+    """Raise ValueError naming what is wrong; `speakers` None: voices not known yet."""
     unknown = sorted(set(params) - PARAMS)
     if unknown:
         raise ValueError(f"unknown code2wav parameters {unknown}; known: {sorted(PARAMS)}")
-    if params.get("speaker") is not None and params["speaker"] not in speakers:
-        raise ValueError(f"unknown voice {params['speaker']!r}; this model has {speakers}")
+    voice = params.get("speaker")
+    if speakers is not None and voice is not None and voice not in speakers:
+        raise ValueError(f"unknown voice {voice!r}; this model has {speakers}")
     if "num_steps" in params and not (isinstance(params["num_steps"], int)
                                       and params["num_steps"] >= 2):
         raise ValueError("num_steps must be an integer >= 2")
@@ -172,19 +174,13 @@ class Code2WavCore:
         waves = self.token2wav.code2wav_bigvgan_model(mels).reshape(n, -1)
         return list(waves.float().cpu().numpy())
 
-    def run(self) -> None:
-        import torch
-
-        with torch.inference_mode():
-            while self.running:
-                if not self.waiting:
-                    self.conn.poll(None)
-                while self.running and self.conn.poll(0):
-                    self.handle(self.conn.recv())
-                if self.running and self.waiting:
-                    self.step()
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting)
 
     def step(self) -> None:
+        if not self.waiting:
+            return
         batch = self.next_batch()
         for _, _, params in batch:
             if params.get("seed") is None:
@@ -204,15 +200,4 @@ class Code2WavCore:
 
 
 def run_code2wav_core(model: str, options: Code2WavOptions, conn: Connection) -> None:
-    """Process entry point: load, report ready (or why not), serve until shutdown or EOF."""
-    logging.basicConfig(level=logging.INFO, format=f"(Code2WavCore pid={os.getpid()}) %(message)s")
-    try:
-        core = Code2WavCore(model, options, conn)
-    except BaseException:
-        conn.send(("start_failed", traceback.format_exc()))
-        return
-    conn.send(("ready", core.info()))
-    try:
-        core.run()
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        pass
+    serve_core(lambda: Code2WavCore(model, options, conn), conn, "Code2WavCore")

@@ -9,7 +9,6 @@ the process has one device, so there is no separate executor layer yet.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 import traceback
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni.engine.core_process import serve_core
 from vllm_omni.engine.diffusion.batch_sizer import BatchSizer
 from vllm_omni.engine.diffusion.cache import CacheConfig
 from vllm_omni.engine.diffusion.params import DiffusionParams
@@ -146,18 +146,9 @@ class EngineCore:
 
     # -- the loop --------------------------------------------------------------------------
 
-    def run(self) -> None:
-        import torch
-
-        with torch.inference_mode():  # every adapter call below runs without autograd
-            while self.running:
-                # Block for messages only when idle; between steps, just drain them.
-                if not self.scheduler.has_work:
-                    self.conn.poll(None)
-                while self.running and self.conn.poll(0):
-                    self.handle(self.conn.recv())
-                if self.running:
-                    self.step()
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
 
     def step(self) -> None:
         admitted = self.scheduler.admit()
@@ -211,15 +202,4 @@ class EngineCore:
 
 
 def run_engine_core(model: str, options: EngineOptions, conn: Connection) -> None:
-    """Process entry point: load, report ready (or why not), serve until shutdown or EOF."""
-    logging.basicConfig(level=logging.INFO, format=f"(DiffusionCore pid={os.getpid()}) %(message)s")
-    try:
-        core = EngineCore(model, options, conn)
-    except BaseException:
-        conn.send(("start_failed", traceback.format_exc()))
-        return
-    conn.send(("ready", core.info()))
-    try:
-        core.run()
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        pass  # the client went away: nothing left to serve
+    serve_core(lambda: EngineCore(model, options, conn), conn, "DiffusionCore")

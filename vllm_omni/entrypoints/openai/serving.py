@@ -238,9 +238,7 @@ class OpenAIServing:
 
     async def _chat_full(self, request, request_id, outputs, prompt_len):
         finals = await _finals(outputs)
-        final = finals.get("text")
-        if final is None:
-            raise OmniHTTPError(HTTPStatus.INTERNAL_SERVER_ERROR, "the pipeline produced no text")
+        final = _text_of(finals)
         choices = [
             ChatCompletionResponseChoice(
                 index=c.index,
@@ -456,13 +454,13 @@ async def _finals(outputs: AsyncIterator[OmniRequestOutput]) -> dict[str, OmniRe
 
 
 async def _last_text_output(outputs: AsyncIterator[OmniRequestOutput]) -> OmniRequestOutput:
-    final = None
-    async for out in outputs:
-        if out.output_type == "text" and out.finished:
-            final = out
-    if final is None:
+    return _text_of(await _finals(outputs))
+
+
+def _text_of(finals: dict[str, OmniRequestOutput]) -> OmniRequestOutput:
+    if "text" not in finals:
         raise OmniHTTPError(HTTPStatus.INTERNAL_SERVER_ERROR, "the pipeline produced no text")
-    return final
+    return finals["text"]
 
 
 async def _primed(outputs: AsyncIterator[OmniRequestOutput]) -> AsyncIterator[OmniRequestOutput]:
