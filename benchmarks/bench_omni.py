@@ -8,9 +8,12 @@ greedy talker capped at `--codes` codec tokens (no early stop, so both sides do 
 work), code2wav with HF's defaults. Greedy decoding makes both sides compute the same tokens
 (the tests check they are equal). HF side: one `model.generate(return_audio=True)` at a time
 in arrival order, as a server around transformers would run it. Our side: AsyncOmniLLM with
-the built-in pipeline, closed loop with `concurrency` requests in flight. Rounds alternate
-between the sides; the summary reports medians and ratios. Real-time factor = wall seconds
-per second of audio produced.
+the built-in pipeline, closed loop with `concurrency` requests in flight, once with code2wav
+decoding each request whole (`vllm-omni`, HF's result) and once streamed (`vllm-omni
+streamed`: audio chunk by chunk as the talker writes codes). Rounds alternate the order of the
+sides; the summary reports medians and ratios. Real-time factor = wall seconds per second of
+audio produced; time to first audio (TTFA) = from sending a request to its first audio chunk
+(the whole latency where nothing is streamed).
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ from vllm import SamplingParams
 
 from vllm_omni.testing.tiny_models import get_or_make
 
+KEYS = ("rps", "lat", "ttfa", "rtf")
 TOPICS = ["a red fox", "the sea", "two cats", "a long road", "rain", "the moon", "bread", "music"]
 
 
-async def closed_loop(send, concurrency: int, total: int) -> tuple[float, list[float], float]:
-    """`total` requests, `concurrency` in flight: (wall s, latencies, audio seconds)."""
+async def closed_loop(send, concurrency: int, total: int) -> dict:
+    """`total` requests, `concurrency` in flight: wall s, latencies, TTFAs, audio seconds.
+    `send(i)` returns (seconds of audio, perf_counter time of its first audio)."""
     latencies: list[float] = []
+    ttfas: list[float] = []
     audio = 0.0
     counter = iter(range(total))
 
@@ -40,13 +46,15 @@ async def closed_loop(send, concurrency: int, total: int) -> tuple[float, list[f
         nonlocal audio
         for i in counter:
             t = time.perf_counter()
-            seconds = await send(i)  # not `audio += await ...`: that reads audio before
+            seconds, first_audio = await send(i)
             audio += seconds
             latencies.append(time.perf_counter() - t)
+            ttfas.append(first_audio - t)
 
     start = time.perf_counter()
     await asyncio.gather(*[client() for _ in range(concurrency)])
-    return time.perf_counter() - start, latencies, audio
+    return {"wall": time.perf_counter() - start, "lat": latencies, "ttfa": ttfas,
+            "audio": audio}
 
 
 def main() -> None:
@@ -87,25 +95,31 @@ def main() -> None:
             )
         return wave.numel() / 24000
 
-    async def hf_send(i: int) -> float:
-        return await asyncio.get_running_loop().run_in_executor(worker, hf_call, i)
+    async def hf_send(i: int) -> tuple[float, float]:
+        seconds = await asyncio.get_running_loop().run_in_executor(worker, hf_call, i)
+        return seconds, time.perf_counter()
 
     async def run_all() -> dict:
         omni = AsyncOmniLLM(folder, dtype="float32", max_model_len=2048)
         rate = omni.audio_stage.sample_rate
-        params = [SamplingParams(temperature=0, max_tokens=args.text_tokens),
-                  {"temperature": 0, "max_tokens": args.codes, "stop_token_ids": [],
-                   "min_tokens": args.codes}, {}]
+        def params(stream: bool) -> list:
+            return [SamplingParams(temperature=0, max_tokens=args.text_tokens),
+                    {"temperature": 0, "max_tokens": args.codes, "stop_token_ids": [],
+                     "min_tokens": args.codes}, {"stream": stream}]
 
-        async def ours_send(i: int) -> float:
-            seconds = 0.0
-            async for out in omni.generate(prompts[i], params, f"b{time.perf_counter_ns()}",
-                                           ["text", "audio"]):
-                if out.audio is not None and out.finished:
-                    seconds = len(out.audio.waveform) / rate
-            return seconds
+        def ours(stream: bool):
+            async def send(i: int) -> tuple[float, float]:
+                seconds, first = 0.0, None
+                async for out in omni.generate(prompts[i], params(stream),
+                                               f"b{time.perf_counter_ns()}", ["text", "audio"]):
+                    if out.audio is not None:
+                        first = first or time.perf_counter()
+                        seconds = len(out.audio.waveform) / rate
+                return seconds, first
+            return send
 
-        sides = {"vllm-omni": ours_send, "transformers": hf_send}
+        sides = {"vllm-omni": ours(False), "vllm-omni streamed": ours(True),
+                 "transformers": hf_send}
         results: dict = {}
         try:
             for side in sides.values():  # warm-up
@@ -114,14 +128,14 @@ def main() -> None:
                 n = max(args.requests, c)
                 for r in range(args.rounds):
                     for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-                        wall, lat, audio = await closed_loop(sides[name], c, n)
-                        res = results.setdefault((c, name), {"rps": [], "lat": [], "rtf": []})
-                        res["rps"].append(n / wall)
-                        res["lat"].append(statistics.median(lat))
-                        res["rtf"].append(wall / audio)
-                        print(f"c={c} {name}: {n / wall:.2f} req/s, median latency "
-                              f"{statistics.median(lat):.2f} s, RTF {wall / audio:.3f}",
-                              flush=True)
+                        run = await closed_loop(sides[name], c, n)
+                        res = results.setdefault((c, name), {k: [] for k in KEYS})
+                        res["rps"].append(n / run["wall"])
+                        res["lat"].append(statistics.median(run["lat"]))
+                        res["ttfa"].append(statistics.median(run["ttfa"]))
+                        res["rtf"].append(run["wall"] / run["audio"])
+                        print(f"c={c} {name}: " + ", ".join(
+                            f"{k} {v[-1]:.3f}" for k, v in res.items()), flush=True)
         finally:
             omni.shutdown()
         return results
@@ -129,15 +143,17 @@ def main() -> None:
     results = asyncio.run(run_all())
     print(f"\n{args.model}: {args.text_tokens} text tokens, {args.codes} codec tokens "
           f"({args.codes / 50:.1f} s of speech) per request, {torch.get_num_threads()} threads")
-    print("| concurrency | vllm-omni req/s | transformers req/s | throughput ratio | "
-          "vllm-omni latency s | transformers latency s | vllm-omni RTF | transformers RTF |")
+    print("| concurrency | side | req/s | vs transformers | latency s | TTFA s | "
+          "TTFA / whole latency | RTF |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for c in args.concurrency:
-        ours, base = results[(c, "vllm-omni")], results[(c, "transformers")]
-        o, b = statistics.median(ours["rps"]), statistics.median(base["rps"])
-        print(f"| {c} | {o:.2f} | {b:.2f} | **{o / b:.2f}** | "
-              f"{statistics.median(ours['lat']):.2f} | {statistics.median(base['lat']):.2f} | "
-              f"{statistics.median(ours['rtf']):.3f} | {statistics.median(base['rtf']):.3f} |")
+        med = {name: {k: statistics.median(v) for k, v in results[(c, name)].items()}
+               for name in ("vllm-omni", "vllm-omni streamed", "transformers")}
+        whole = med["vllm-omni"]["lat"]
+        for name, m in med.items():
+            print(f"| {c} | {name} | {m['rps']:.2f} | "
+                  f"**{m['rps'] / med['transformers']['rps']:.2f}** | {m['lat']:.2f} | "
+                  f"{m['ttfa']:.2f} | {m['ttfa'] / whole:.0%} | {m['rtf']:.3f} |")
     print(json.dumps({f"{c}-{n}": v for (c, n), v in results.items()}))
 
 

@@ -78,6 +78,10 @@ def test_valid_pipeline_loads_in_topological_order(tmp_path):
             ("name: chain\n", "name: chain\ndefault_modalities: [image]\n"),
             ["default_modalities ['image'] are not final outputs ['text']"],
         ),
+        (
+            ("inputs: [first]", "inputs: [first]\n    stream_inputs: {first: 12}"),
+            ["stage 'second'", "only code2wav stages take streamed input"],
+        ),
     ],
 )
 def test_invalid_pipelines_name_file_stage_and_field(tmp_path, edit, expected):
@@ -178,3 +182,14 @@ def test_diffusers_folder_gets_the_diffusion_pipeline(tmp_path):
     pipeline = resolve_pipeline(tmp_path)
     assert pipeline.name == "diffusion"
     assert [(s.engine, s.output) for s in pipeline.stages] == [("diffusion", "image")]
+
+
+def test_streamed_edges_must_name_the_one_input():
+    speech = builtin_pipelines()["qwen2_5_omni"].model_dump()
+    code2wav = speech["stages"][2]
+    assert code2wav["stream_inputs"] == {"talker": 12}
+    for wrong, message in [({"thinker": 12}, "the stage's one input"),
+                           ({"talker": 0}, "at least 1 token")]:
+        code2wav["stream_inputs"] = wrong
+        with pytest.raises(ValueError, match=message):
+            parse_pipeline(speech, "speech.yaml")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import openai
@@ -27,28 +28,84 @@ SPEECH = {  # the talker and code2wav settings of the reference run
 }
 
 
+SPOKEN = "The red fox runs over the hill."  # what /v1/audio/speech reads
+
+
 @pytest.fixture(scope="module")
-def hf_answer(tiny_omni):
-    """HF's text and waveform for MESSAGES with the voice Ethan."""
+def hf_model(tiny_omni):
     from conftest import hf_talker_with_attention_mask
     from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
-
-    from vllm_omni.testing.tiny_omni import TALKER_EOS_IDS
 
     processor = AutoProcessor.from_pretrained(tiny_omni)
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_omni).eval()
     hf_talker_with_attention_mask(model)
-    prompt = processor.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    return processor, model
+
+
+def system_prompt() -> str:
+    from vllm_omni.config.loader import builtin_pipelines
+
+    return builtin_pipelines()["qwen2_5_omni"].system_prompts["audio"]
+
+
+def hf_speak(hf_model, messages: list[dict], forced: list[int] | None = None):
+    """HF's text and waveform for a conversation with the voice Ethan; `forced`: the
+    thinker's answer token by token (a logits processor that allows only the next one)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from vllm_omni.testing.tiny_omni import TALKER_EOS_IDS
+
+    processor, model = hf_model
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=prompt, return_tensors="pt")
+    start = inputs["input_ids"].shape[1]
+    thinker = {"thinker_max_new_tokens": THINKER_TOKENS}
+    if forced is not None:
+        class Force(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                allowed = torch.full_like(scores, float("-inf"))
+                allowed[:, forced[input_ids.shape[1] - start]] = 0
+                return scores + allowed
+
+        thinker = {"thinker_max_new_tokens": len(forced),
+                   "thinker_logits_processor": LogitsProcessorList([Force()])}
     torch.manual_seed(SEED)
     with torch.no_grad():
         sequences, waveform = model.generate(
-            **inputs, return_audio=True, speaker="Ethan", thinker_max_new_tokens=THINKER_TOKENS,
-            thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=TALKER_TOKENS,
-            talker_eos_token_id=TALKER_EOS_IDS,
+            **inputs, return_audio=True, speaker="Ethan", thinker_do_sample=False,
+            talker_do_sample=False, talker_max_new_tokens=TALKER_TOKENS,
+            talker_eos_token_id=TALKER_EOS_IDS, **thinker,
         )
-    tokens = sequences[0, inputs["input_ids"].shape[1]:]
+    tokens = sequences[0, start:]
     return processor.tokenizer.decode(tokens, skip_special_tokens=True), waveform.numpy()
+
+
+@pytest.fixture(scope="module")
+def hf_answer(hf_model):
+    """HF's spoken answer to MESSAGES, with the system prompt the server adds for speech."""
+    return hf_speak(hf_model, [{"role": "system", "content": system_prompt()}, *MESSAGES])
+
+
+@pytest.fixture(scope="module")
+def hf_plain_text(hf_model):
+    """HF's text answer to MESSAGES as they are (no system prompt)."""
+    return hf_speak(hf_model, MESSAGES)[0]
+
+
+@pytest.fixture(scope="module")
+def hf_reading(hf_model):
+    """HF reading SPOKEN: the conversation /v1/audio/speech builds, the thinker forced to
+    answer SPOKEN (then <|im_end|>)."""
+    from vllm_omni.entrypoints.openai.speech import DEFAULT_INSTRUCTIONS
+
+    tokenizer = hf_model[0].tokenizer
+    forced = tokenizer.encode(SPOKEN, add_special_tokens=False)
+    forced.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    messages = [{"role": "system", "content": system_prompt()},
+                {"role": "user", "content": DEFAULT_INSTRUCTIONS}]
+    text, waveform = hf_speak(hf_model, messages, forced)
+    assert text == SPOKEN  # the tokenizer round-trips it
+    return waveform
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +143,13 @@ def test_chat_speaks_like_hf(client, hf_answer):
     np.testing.assert_allclose(got, waveform, atol=1.5 / 32768)  # 16-bit samples
 
 
-def test_streamed_transcript_then_audio(client, hf_answer):
-    text, waveform = hf_answer
+def stream_speech(client, code2wav: dict) -> tuple[str, list[bytes]]:
+    """A streamed chat answer in pcm16: its transcript and its audio pieces."""
+    speech = {**SPEECH, "extra_body": {"stage_sampling_params": {
+        **SPEECH["extra_body"]["stage_sampling_params"], "code2wav": code2wav}}}
     stream = client.chat.completions.create(
         model=model_name(client), messages=MESSAGES, modalities=["text", "audio"],
-        audio={"voice": "Ethan", "format": "pcm16"}, stream=True, **SPEECH,
+        audio={"voice": "Ethan", "format": "pcm16"}, stream=True, **speech,
     )
     transcript, data = [], []
     for chunk in stream:
@@ -99,16 +158,39 @@ def test_streamed_transcript_then_audio(client, hf_answer):
             transcript.append(audio.transcript or "")
             if audio.data:
                 data.append(base64.b64decode(audio.data))
-    assert "".join(transcript) == text
-    got = np.frombuffer(b"".join(data), dtype="<i2").astype(np.float32) / 32768
-    np.testing.assert_allclose(got, waveform, atol=1.5 / 32768)
+    return "".join(transcript), data
 
 
-def test_text_only_by_default(client, hf_answer):
+def pcm16(pieces: list[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(pieces), dtype="<i2").astype(np.float32) / 32768
+
+
+def test_streamed_transcript_then_whole_audio(client, hf_answer):
+    """Decoded whole (`stream: false` for code2wav), a streamed answer carries HF's audio."""
+    text, waveform = hf_answer
+    transcript, data = stream_speech(client, {"seed": SEED, "stream": False})
+    assert transcript == text and len(data) == 1
+    np.testing.assert_allclose(pcm16(data), waveform, atol=1.5 / 32768)
+
+
+def test_streamed_audio_comes_in_chunks(client, hf_answer):
+    """By default a streamed pcm16 answer is decoded chunk by chunk: several pieces that
+    together approximate the whole decode closely (the DiT sees each chunk with context)."""
+    text, waveform = hf_answer
+    transcript, data = stream_speech(client, {"seed": SEED})
+    assert transcript == text
+    assert len(data) == -(-TALKER_TOKENS // 24)  # the engine's 24-code chunks
+    got = pcm16(data)
+    assert got.shape == waveform.shape
+    snr = 10 * np.log10(np.sum(waveform**2) / np.sum((got - waveform) ** 2))
+    assert snr > 40, f"streamed audio is {snr:.1f} dB from the whole decode"
+
+
+def test_text_only_by_default(client, hf_plain_text):
     resp = client.chat.completions.create(
         model=model_name(client), messages=MESSAGES, temperature=0, max_tokens=THINKER_TOKENS
     )
-    assert resp.choices[0].message.content == hf_answer[0]
+    assert resp.choices[0].message.content == hf_plain_text
     assert getattr(resp.choices[0].message, "audio", None) is None
 
 
@@ -135,7 +217,10 @@ def test_image_input_answers_in_text_and_speech(client):
         {"type": "image_url", "image_url": {"url": url}},
         {"type": "text", "text": "What is this?"},
     ]}]
-    resp = client.chat.completions.create(model=model_name(client), messages=messages,
+    # The server gives a request for speech the model's system prompt: the same answer as
+    # a text request that brings it itself.
+    system = [{"role": "system", "content": system_prompt()}]
+    resp = client.chat.completions.create(model=model_name(client), messages=system + messages,
                                           temperature=0, max_tokens=4)
     text = resp.choices[0].message.content
     assert text
@@ -147,3 +232,54 @@ def test_image_input_answers_in_text_and_speech(client):
     assert spoken.transcript == text
     waveform, rate = decode_wav(spoken.data)
     assert rate == 24000 and len(waveform) > 0
+
+
+READING = {"talker": {"temperature": 0, "max_tokens": TALKER_TOKENS}, "code2wav": {"seed": SEED}}
+
+
+def test_speech_reads_the_input_like_hf(client, hf_reading):
+    """/v1/audio/speech: the talker speaks the input as the thinker's answer, as HF does
+    when its thinker is made to answer exactly that text."""
+    audio = client.audio.speech.create(
+        model=model_name(client), voice="Ethan", input=SPOKEN, response_format="wav",
+        extra_body={"stage_sampling_params": READING},
+    )
+    got, rate = soundfile.read(io.BytesIO(audio.content), dtype="float32")
+    assert rate == 24000
+    np.testing.assert_allclose(got, hf_reading, atol=1.5 / 32768)
+
+
+def test_speech_streams_raw_audio_and_events(client, hf_reading):
+    with client.audio.speech.with_streaming_response.create(
+        model=model_name(client), voice="Ethan", input=SPOKEN, response_format="pcm",
+        extra_body={"stage_sampling_params": READING},
+    ) as response:
+        assert response.headers["content-type"] == "audio/pcm"
+        got = pcm16(list(response.iter_bytes()))
+    assert got.shape == hf_reading.shape
+    snr = 10 * np.log10(np.sum(hf_reading**2) / np.sum((got - hf_reading) ** 2))
+    assert snr > 40, f"streamed speech is {snr:.1f} dB from HF's"
+
+    events = client.audio.speech.create(
+        model=model_name(client), voice="Ethan", input=SPOKEN, response_format="pcm",
+        stream_format="sse", extra_body={"stage_sampling_params": READING},
+    ).text
+    payloads = [json.loads(line[len("data: "):]) for line in events.splitlines()
+                if line.startswith("data: ")]
+    deltas = [p for p in payloads if p["type"] == "speech.audio.delta"]
+    assert len(deltas) == -(-TALKER_TOKENS // 24)  # one per 24-code chunk
+    assert pcm16([base64.b64decode(p["audio"]) for p in deltas]).shape == hf_reading.shape
+    assert payloads[-1]["type"] == "speech.audio.done"
+    assert payloads[-1]["usage"]["output_tokens"] == TALKER_TOKENS
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"voice": "Nobody"}, "unknown voice"),
+    ({"response_format": "opus"}, "not supported"),
+    ({"speed": 2.0}, "speed"),
+    ({"input": ""}, "input"),
+])
+def test_bad_speech_requests_are_400(client, kwargs, match):
+    request = {"model": model_name(client), "voice": "Ethan", "input": "Hi.", **kwargs}
+    with pytest.raises(openai.BadRequestError, match=match):
+        client.audio.speech.create(**request)

@@ -186,16 +186,19 @@ def test_abort_mid_speech_stops_every_stage(speech_llm, hf_speech):
 def test_code2wav_batch_equals_hf_one_by_one(tiny_omni):
     """Requests batched in one DiT call each get HF's waveform for their own seed."""
     from vllm_omni.engine.code2wav.core import load_token2wav
-    from vllm_omni.engine.code2wav.sampler import sample_mels
+    from vllm_omni.engine.code2wav.sampler import request_noise, sample_mels
     from vllm_omni.models.qwen2_5_omni.speakers import speakers
 
     token2wav, _ = load_token2wav(tiny_omni, "float32", "cpu")
     voice = speakers(tiny_omni)["Ethan"]
     codes = torch.randint(0, 100, (3, 30), generator=torch.Generator().manual_seed(0))
     seeds = [11, 22, 33]
+    dit = token2wav.code2wav_dit_model
+    noise = torch.stack([request_noise(s, 30 * dit.repeats, dit.mel_dim, torch.float32)
+                         for s in seeds])
     with torch.inference_mode():
-        mels = sample_mels(token2wav.code2wav_dit_model, codes, voice["cond"][None].expand(3, -1),
-                           voice["ref_mel"].expand(3, -1, -1), seeds, 10, 0.5, -1.0)
+        mels = sample_mels(dit, codes, voice["cond"][None].expand(3, -1),
+                           voice["ref_mel"].expand(3, -1, -1), noise, 10, 0.5, -1.0)
         batched = token2wav.code2wav_bigvgan_model(mels).reshape(3, -1)
         for i, seed in enumerate(seeds):
             torch.manual_seed(seed)
@@ -203,3 +206,52 @@ def test_code2wav_batch_equals_hf_one_by_one(tiny_omni):
                               reference_mel=voice["ref_mel"]).reshape(-1)
             torch.testing.assert_close(batched[i], alone, atol=1e-5, rtol=0)
     assert not torch.allclose(batched[0], batched[1])
+
+
+def run(llm, coro, timeout: float = 300):
+    return asyncio.run_coroutine_threadsafe(coro, llm._loop).result(timeout)
+
+
+def test_streamed_speech_starts_while_the_talker_speaks(speech_llm, hf_speech):
+    """`stream: true`: code2wav gets the talker's codes as they come (the pipeline's streamed
+    edge) and sends audio chunk by chunk; the result equals decoding the same codes handed
+    over whole, also when batched with another request."""
+    engine = speech_llm.engine
+    code2wav = engine.stages["code2wav"]
+    streamed = params(stream=True)
+    streamed[1] = {"temperature": 0, "max_tokens": 300, "stop_token_ids": []}
+
+    async def speak() -> list:
+        return [out async for out in engine.generate(hf_speech[0][0], streamed, "streamed",
+                                                     ["text", "audio"])
+                if out.stage == "code2wav"]
+
+    audio = run(speech_llm, speak())
+    codes = audio[-1].tensors["codes"].tolist()
+    chunk, per_code = code2wav.engine.info["chunk_codes"], 24000 // 50
+    assert len(codes) == 300
+    assert [o.metrics["samples"] for o in audio] == [
+        min((i + 1) * chunk, len(codes)) * per_code for i in range(-(-len(codes) // chunk))]
+    assert [o.finished for o in audio] == [False] * (len(audio) - 1) + [True]
+    # Audio began before the talker's last code.
+    assert not audio[0].metrics["input_complete"]
+    assert audio[-1].audio.waveform.shape == (len(codes) * per_code,)
+
+    async def decode(request_id: str, codes: list[int], seed: int, stream: bool = True):
+        async for out in code2wav.generate(request_id, {"codes": codes},
+                                           {"seed": seed, "stream": stream}):
+            if out.finished:
+                return out.audio.waveform
+
+    async def whole_passing() -> list:
+        other = [c % 50 for c in codes[:200]]
+        return await asyncio.gather(decode("whole", codes, SEED),
+                                    decode("other", other, SEED + 1),
+                                    decode("unchunked", codes, SEED, stream=False))
+
+    waveform, other, unchunked = run(speech_llm, whole_passing())
+    np.testing.assert_allclose(audio[-1].audio.waveform, waveform, atol=1e-5, rtol=0)
+    assert other.shape == (200 * per_code,)
+    # Chunks approximate the whole decode: the DiT sees each with context around it.
+    snr = 10 * np.log10(np.sum(unchunked**2) / np.sum((waveform - unchunked) ** 2))
+    assert snr > 40, f"chunked audio is {snr:.1f} dB from the whole decode"

@@ -32,7 +32,9 @@ class OmniRequestOutput:
     - ``image``: ``images`` holds PIL images (one per requested image) and
       ``tensors["images"]`` the float images they were rounded from (N, H, W, 3 in [0, 1]);
       ``metrics`` has ``step`` / ``num_steps`` (progress while not finished) and ``seed``.
-    - ``audio``: ``audio`` holds the waveform chunk (streaming) or the whole waveform.
+    - ``audio``: ``audio`` holds the waveform so far (a streamed request gets one output per
+      chunk; ``metrics["new_samples"]`` is what the chunk added); ``metrics["input_complete"]``
+      says whether all codes had arrived when it was made.
     - ``latent`` / ``hidden_states``: ``tensors`` holds named tensors (for hidden states:
       ``hidden_states``, one row per prompt token then one per decode step, as HF's last
       ``hidden_states``), alongside ``completions``.

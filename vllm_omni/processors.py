@@ -10,6 +10,22 @@ from typing import Any
 
 from vllm_omni.outputs import OmniRequestOutput
 
+# A request whose answer is already written (text to speech): the text stage's prompt ends
+# with the answer, and its SamplingParams' extra_args[REPLY_START] is where the answer starts.
+# Processors of stages that speak (or otherwise use) the answer treat prompt rows from there
+# on as the answer's, as if the text stage had generated them.
+REPLY_START = "omni_reply_start"
+
+
+def reply_start(text_params: Any, prompt_len: int) -> int:
+    """Where the answer starts in the text stage's prompt (its end, for a normal request)."""
+    start = ((getattr(text_params, "extra_args", None) or {}).get(REPLY_START))
+    if start is None:
+        return prompt_len
+    if not 0 < start <= prompt_len:
+        raise ValueError(f"{REPLY_START} {start} is outside the prompt (length {prompt_len})")
+    return start
+
 
 def upstream_text(upstream: dict[str, OmniRequestOutput], prompt: Any) -> dict[str, str]:
     """The text of the (single) upstream stage, as a plain text prompt."""

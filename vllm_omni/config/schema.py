@@ -72,6 +72,12 @@ class StageConfig(BaseModel):
         "config (ids that differ per checkpoint); `sampling_params` still win.",
     )
     inputs: list[str] = Field(default_factory=list, description="Stages that feed this one.")
+    stream_inputs: dict[str, int] = Field(
+        default_factory=dict,
+        description="Edges passed in chunks: upstream stage -> every how many of its tokens "
+        "this stage gets the upstream's output so far. This stage starts on the first chunk "
+        "instead of waiting for the whole upstream request. Code2wav stages only.",
+    )
     input_processor: str | None = Field(
         default=None,
         description="'module:function' turning upstream outputs into this stage's prompt.",
@@ -156,6 +162,13 @@ class StageConfig(BaseModel):
             raise ValueError("a stage with inputs needs an input_processor")
         if self.engine != "ar" and (self.hidden_states or self.step_inputs):
             raise ValueError("hidden_states and step_inputs are options of 'ar' stages")
+        if self.stream_inputs:
+            if self.engine != "code2wav":
+                raise ValueError("stream_inputs: only code2wav stages take streamed input")
+            if list(self.stream_inputs) != self.inputs or len(self.inputs) != 1:
+                raise ValueError("stream_inputs must name the stage's one input")
+            if min(self.stream_inputs.values()) < 1:
+                raise ValueError("stream_inputs: chunks must have at least 1 token")
         return self
 
 
@@ -172,6 +185,11 @@ class PipelineConfig(BaseModel):
     default_modalities: list[str] | None = Field(
         default=None,
         description="What a request that names no `modalities` gets; default: every final output.",
+    )
+    system_prompts: dict[str, str] = Field(
+        default_factory=dict,
+        description="Output modality -> the system message a chat request asking for it gets "
+        "when it brings none (a model may need one to speak, say).",
     )
 
     @model_validator(mode="after")

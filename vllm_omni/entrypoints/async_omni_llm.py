@@ -52,6 +52,21 @@ def load_input_processor(path: str) -> InputProcessor:
     return lambda upstream, prompt, _stage, _params: func(upstream, prompt)
 
 
+@dataclasses.dataclass
+class _Edge:
+    """A streamed edge as the upstream sees it: every `every` tokens (and at the end) its
+    output so far goes to the consumer's queue."""
+
+    queue: asyncio.Queue
+    every: int
+    forwarded: int = 0
+
+    def offer(self, out: OmniRequestOutput) -> None:
+        if out.finished or out.num_generated_tokens - self.forwarded >= self.every:
+            self.forwarded = out.num_generated_tokens
+            self.queue.put_nowait(out)
+
+
 class AsyncOmniLLM:
     """Serve a pipeline of stages; `generate()` is an async iterator per request.
 
@@ -241,27 +256,65 @@ class AsyncOmniLLM:
             for s in stages if s.engine == "ar"
         }
         done = {s.name: asyncio.Event() for s in stages}
+        # Streamed edges (`stream_inputs`): the consumer's queue of its upstream's outputs.
+        edges = {s.name: asyncio.Queue() for s in stages if s.stream_inputs}
         started: set[str] = set()
         outputs: asyncio.Queue = asyncio.Queue()
 
-        async def run_stage(stage_cfg: StageConfig) -> None:
-            """One stage of this request, as soon as the stages feeding it are done."""
+        def process(name: str, upstream: dict[str, OmniRequestOutput]) -> Any:
+            return self._input_processors[name](upstream, prompt, self.stages[name], params)
+
+        async def feed(stage_cfg: StageConfig) -> None:
+            """Hand a streamed edge's later chunks to the running consumer."""
+            (upstream,) = stage_cfg.inputs
             name = stage_cfg.name
             try:
-                for upstream in stage_cfg.inputs:
-                    await done[upstream].wait()
+                while True:
+                    out = await edges[name].get()
+                    stage_input = process(name, {upstream: out})
+                    await self.stages[name].add_input(f"{request_id}-{name}", stage_input,
+                                                      out.finished)
+                    if out.finished:
+                        return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                outputs.put_nowait(StageError(name, e))
+
+        async def run_stage(stage_cfg: StageConfig) -> None:
+            """One stage of this request, as soon as the stages feeding it are done (or, on a
+            streamed edge, have sent their first chunk)."""
+            name = stage_cfg.name
+            feeder = None
+            streams = [_Edge(edges[c.name], c.stream_inputs[name])
+                       for c in self.pipeline.consumers(name) if c.name in edges]
+            try:
                 stage = self.stages[name]
                 stage_prompt = prompt
-                if stage_cfg.inputs:
-                    upstream = {n: finished[n] for n in stage_cfg.inputs}
-                    stage_prompt = self._input_processors[name](upstream, prompt, stage, params)
+                extra: dict[str, Any] = {}
+                if stage_cfg.stream_inputs:
+                    (upstream,) = stage_cfg.inputs
+                    first = await edges[name].get()
+                    stage_prompt = process(name, {upstream: first})
+                    if not first.finished:
+                        extra["input_complete"] = False
+                        # It first runs when generate() below first waits, after the stage
+                        # has sent the request to its engine: no chunk overtakes the start.
+                        feeder = asyncio.create_task(feed(stage_cfg))
+                elif stage_cfg.inputs:
+                    for upstream in stage_cfg.inputs:
+                        await done[upstream].wait()
+                    stage_prompt = process(name, {n: finished[n] for n in stage_cfg.inputs})
                 started.add(name)
-                extra = {"keep_hidden_states": keep_hidden[name]} if name in keep_hidden else {}
+                if name in keep_hidden:
+                    extra["keep_hidden_states"] = keep_hidden[name]
                 async for out in stage.generate(f"{request_id}-{name}", stage_prompt,
                                                 params[name], **extra):
                     out.request_id = request_id
                     if out.finished:
                         finished[name] = out
+                    for edge in streams:
+                        edge.offer(out)
                     if name in returned:
                         if out.output_type in TENSOR_OUTPUTS:
                             out.resolve_tensors()
@@ -275,6 +328,9 @@ class AsyncOmniLLM:
             else:
                 done[name].set()
                 outputs.put_nowait(name)
+            finally:
+                if feeder is not None:
+                    feeder.cancel()
 
         # Independent stages (fan-out branches, or the inputs of a fan-in) run concurrently.
         tasks = [asyncio.create_task(run_stage(s)) for s in stages]

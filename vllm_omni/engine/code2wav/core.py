@@ -2,11 +2,12 @@
 
 It runs HF transformers' Qwen2.5-Omni token2wav modules (flow-matching DiT, then the BigVGAN
 vocoder), loaded alone from the model folder's `token2wav.*` weights, with our sampler
-(sampler.py): the waiting requests with the same code length, voice and solver settings are
-decoded as one batch (up to `max_batch_size`), each from its own seed's noise, so a request's
-waveform equals HF's for its seed whatever it is batched with. Oldest request first; messages
-are read between batches, so an abort drops a waiting request at once and a running one
-right after its batch.
+(sampler.py). A request is decoded whole (HF's result) or, streamed, chunk by chunk as its
+codes arrive (chunks.py). Ready work with the same DiT window length, voice and solver
+settings is decoded as one batch (up to `max_batch_size`), each from its own seed's noise, so
+a request's waveform does not depend on what it is batched with: decoded whole it equals HF's
+for its seed. Oldest request first; messages are read between batches, so an abort drops a
+request at once or right after its batch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import secrets
 import traceback
 from collections import OrderedDict
@@ -24,13 +26,21 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni.engine.code2wav.chunks import (
+    ChunkSettings,
+    Code2WavRequest,
+    Job,
+    next_job,
+    vocoder_input,
+    window_noise,
+)
 from vllm_omni.engine.core_process import serve_core
 from vllm_omni.models.qwen2_5_omni.speakers import default_speaker, speakers
 
 logger = logging.getLogger(__name__)
 
 CODEC_HZ = 50  # Qwen2.5-Omni's talker emits 50 codes per second of speech
-PARAMS = {"seed", "speaker", "num_steps", "guidance_scale", "sway_coefficient"}
+PARAMS = {"seed", "speaker", "num_steps", "guidance_scale", "sway_coefficient", "stream"}
 HF_DEFAULTS = {"num_steps": 10, "guidance_scale": 0.5, "sway_coefficient": -1.0}
 
 
@@ -38,9 +48,19 @@ HF_DEFAULTS = {"num_steps": 10, "guidance_scale": 0.5, "sway_coefficient": -1.0}
 class Code2WavOptions:
     dtype: str = "float32"  # HF runs token2wav in float32 whatever the rest of the model
     device: str = "cpu"
+    # None on CPU: half the cores. Code2wav runs beside the talker (streamed audio overlaps
+    # them), whose vLLM worker binds its own cores; with all cores the two contend (on 2
+    # cores, streamed time to first audio 1.22 s with 2 threads, 0.63 s with 1).
     num_threads: int | None = None
     max_batch_size: int = 8
     defaults: dict[str, Any] = field(default_factory=dict)
+    # Streamed requests (see chunks.py): audio per `chunk_codes` codes (0.48 s at 50 codes/s),
+    # each denoised with this many codes of context before it and after it, and voiced with
+    # this many mel frames around it.
+    chunk_codes: int = 24
+    context_codes: int = 24
+    lookahead_codes: int = 12
+    vocoder_context_frames: int = 24
 
 
 @dataclass
@@ -50,6 +70,7 @@ class Code2WavOutput:
     waveform: np.ndarray | None = None
     sample_rate: int = 0
     seed: int | None = None
+    input_complete: bool = True  # whether all codes had arrived when this audio was made
     error: str | None = None
     error_kind: str | None = None  # "invalid" (the request's fault) or "internal"
     latents: Any = None  # part of the engine-client protocol; code2wav sends none
@@ -66,6 +87,8 @@ def check_params(params: dict[str, Any], speakers: list[str] | None) -> None:
     if "num_steps" in params and not (isinstance(params["num_steps"], int)
                                       and params["num_steps"] >= 2):
         raise ValueError("num_steps must be an integer >= 2")
+    if not isinstance(params.get("stream", False), bool):
+        raise ValueError("stream must be true or false")
     seed = params.get("seed")
     if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
         raise ValueError("seed must be an integer in [0, 2**63)")
@@ -105,98 +128,136 @@ class Code2WavCore:
     def __init__(self, model: str, options: Code2WavOptions, conn: Connection) -> None:
         import torch
 
-        if options.num_threads:
-            torch.set_num_threads(options.num_threads)
+        threads = options.num_threads
+        if threads is None and options.device == "cpu":
+            threads = max(1, (os.cpu_count() or 2) // 2)
+        if threads:
+            torch.set_num_threads(threads)
         self.conn = conn
         self.device = options.device
         self.defaults = {**HF_DEFAULTS, **options.defaults}
         self.token2wav, self.sample_rate = load_token2wav(model, options.dtype, options.device)
         self.dtype = getattr(torch, options.dtype)
+        dit = self.token2wav.code2wav_dit_model
+        self.chunking = ChunkSettings(
+            options.chunk_codes, options.context_codes, options.lookahead_codes,
+            options.vocoder_context_frames, dit.repeats, dit.mel_dim,
+        )
+        self.chunking.check(dit.block_size // dit.repeats)
         self.speakers = speakers(model)
         check_params(options.defaults, list(self.speakers))
         self.max_batch_size = options.max_batch_size
-        self.waiting: OrderedDict[str, tuple[list[int], dict[str, Any]]] = OrderedDict()
+        self.requests: OrderedDict[str, Code2WavRequest] = OrderedDict()  # oldest first
         self.running = True
 
     def info(self) -> dict[str, Any]:
         return {"sample_rate": self.sample_rate, "speakers": list(self.speakers),
-                "defaults": self.defaults}
+                "defaults": self.defaults, "chunk_codes": self.chunking.chunk_codes}
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
-        if kind == "add":
-            request_id, codes, params = msg[1], msg[2], msg[3]
+        if kind == "add":  # ("add", id, {"codes": [...], "complete": bool}, params, images)
+            request_id, prompt, params = msg[1], msg[2], msg[3]
             try:
                 check_params(params, list(self.speakers))
-                if not codes:
-                    raise ValueError("no codec tokens to decode")
             except ValueError as e:
-                self.conn.send(Code2WavOutput(request_id, True, error=str(e),
-                                              error_kind="invalid"))
+                self.fail([request_id], str(e), "invalid")
                 return
-            self.waiting[request_id] = (list(codes), {**self.defaults, **params})
+            params = {**self.defaults, **params}
+            if params.get("seed") is None:
+                params["seed"] = secrets.randbits(63)
+            self.requests[request_id] = Code2WavRequest(
+                request_id, list(prompt["codes"]), params, prompt.get("complete", True))
+            self.check_not_empty(request_id)
+        elif kind == "extend":  # ("extend", id, more codes, complete): streamed input
+            request = self.requests.get(msg[1])
+            if request is not None:  # else aborted or failed already
+                request.codes += msg[2]
+                request.complete = msg[3]
+                self.check_not_empty(msg[1])
         elif kind == "abort":
-            self.waiting.pop(msg[1], None)
+            self.requests.pop(msg[1], None)
         elif kind == "shutdown":
             self.running = False
 
-    def batch_key(self, codes: list[int], params: dict[str, Any]) -> tuple:
+    def check_not_empty(self, request_id: str) -> None:
+        request = self.requests[request_id]
+        if request.complete and not request.codes:
+            self.fail([request_id], "no codec tokens to decode", "invalid")
+
+    def fail(self, request_ids: list[str], error: str, kind: str) -> None:
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+            self.conn.send(Code2WavOutput(request_id, True, error=error, error_kind=kind))
+
+    def batch_key(self, job: Job) -> tuple:
+        params = job.request.params
         speaker = params.get("speaker") or default_speaker(list(self.speakers))
-        return (len(codes), speaker, params["num_steps"], params["guidance_scale"],
-                params["sway_coefficient"])
+        return (job.window[1] - job.window[0], speaker, params["num_steps"],
+                params["guidance_scale"], params["sway_coefficient"])
 
-    def next_batch(self) -> list[tuple[str, list[int], dict[str, Any]]]:
-        """The oldest waiting request and the waiting ones it can share a DiT call with."""
-        first_id, (codes, params) = next(iter(self.waiting.items()))
-        key = self.batch_key(codes, params)
-        batch = [(rid, c, p) for rid, (c, p) in self.waiting.items()
-                 if self.batch_key(c, p) == key][: self.max_batch_size]
-        for rid, _, _ in batch:
-            del self.waiting[rid]
-        return batch
+    def next_batch(self) -> list[Job]:
+        """The oldest request's next job and the ready jobs it can share a DiT call with."""
+        jobs = [job for r in self.requests.values() if (job := next_job(r, self.chunking))]
+        if not jobs:
+            return []
+        key = self.batch_key(jobs[0])
+        return [job for job in jobs if self.batch_key(job) == key][: self.max_batch_size]
 
-    def decode(self, batch: list[tuple[str, list[int], dict[str, Any]]]) -> list[np.ndarray]:
+    def decode(self, batch: list[Job]) -> list[np.ndarray]:
+        """Each job's new audio samples."""
         import torch
 
         from vllm_omni.engine.code2wav.sampler import sample_mels
 
-        _, codes, params = batch[0]
-        length, speaker_name, num_steps, guidance, sway = self.batch_key(codes, params)
+        _, speaker_name, num_steps, guidance, sway = self.batch_key(batch[0])
         speaker = self.speakers[speaker_name]
         n = len(batch)
+        noise = torch.stack([window_noise(job, self.chunking, self.dtype) for job in batch])
         mels = sample_mels(
             self.token2wav.code2wav_dit_model,
-            torch.tensor([c for _, c, _ in batch], device=self.device),
+            torch.tensor([job.window_codes for job in batch], device=self.device),
             speaker["cond"].to(self.device, self.dtype)[None].expand(n, -1),
             speaker["ref_mel"].to(self.device, self.dtype).expand(n, -1, -1),
-            [p["seed"] for _, _, p in batch], num_steps, guidance, sway,
+            noise.to(self.device), num_steps, guidance, sway,
         )
-        waves = self.token2wav.code2wav_bigvgan_model(mels).reshape(n, -1)
-        return list(waves.float().cpu().numpy())
+        # The vocoder voices equal-length inputs together (streamed chunks differ in their
+        # context at a stream's start and end).
+        voiced = [vocoder_input(job, mel, self.chunking) for job, mel in zip(batch, mels,
+                                                                            strict=True)]
+        waves: list[np.ndarray | None] = [None] * n
+        for length in {v.shape[1] for v in voiced}:
+            same = [i for i in range(n) if voiced[i].shape[1] == length]
+            out = self.token2wav.code2wav_bigvgan_model(torch.stack([voiced[i] for i in same]))
+            out = out.reshape(len(same), -1).float().numpy()
+            per_frame = out.shape[1] // length
+            for row, i in enumerate(same):
+                first, last = batch[i].vocoder_cut
+                waves[i] = out[row, first * per_frame:last * per_frame]
+        return waves
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting)
+        return any(next_job(r, self.chunking) for r in self.requests.values())
 
     def step(self) -> None:
-        if not self.waiting:
-            return
         batch = self.next_batch()
-        for _, _, params in batch:
-            if params.get("seed") is None:
-                params["seed"] = secrets.randbits(63)
+        if not batch:
+            return
         try:
             waves = self.decode(batch)
         except Exception as e:
-            logger.error("code2wav requests %s failed:\n%s", [r for r, _, _ in batch],
-                         traceback.format_exc())
-            for request_id, _, _ in batch:
-                self.conn.send(Code2WavOutput(request_id, True, error=repr(e),
-                                              error_kind="internal"))
+            ids = [job.request.request_id for job in batch]
+            logger.error("code2wav requests %s failed:\n%s", ids, traceback.format_exc())
+            self.fail(ids, repr(e), "internal")
             return
-        for (request_id, _, params), wave in zip(batch, waves, strict=True):
-            self.conn.send(Code2WavOutput(request_id, True, wave, self.sample_rate,
-                                          int(params["seed"])))
+        for job, wave in zip(batch, waves, strict=True):
+            request = job.request
+            request.decoded = job.end
+            if job.last:
+                del self.requests[request.request_id]
+            self.conn.send(Code2WavOutput(request.request_id, job.last, wave, self.sample_rate,
+                                          int(request.params["seed"]), request.complete))
 
 
 def run_code2wav_core(model: str, options: Code2WavOptions, conn: Connection) -> None:

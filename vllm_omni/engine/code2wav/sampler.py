@@ -1,9 +1,9 @@
 """Token2wav's flow-matching sampler, for a batch of requests with per-request noise.
 
 HF's `sample` draws one noise tensor for its whole batch from the global generator, so a
-request's waveform would depend on what it was batched with. Here each request draws its own
-noise from its seed (what HF draws for it alone after `torch.manual_seed(seed)`), and the DiT
-runs once per solver evaluation for the whole batch. The schedule and the solver are HF's:
+request's waveform would depend on what it was batched with. Here each request brings its own
+noise (`request_noise`: what HF draws for it alone after `torch.manual_seed(seed)`), and the
+DiT runs once per solver evaluation for the whole batch. The schedule and the solver are HF's:
 times on [0, 1] bent by the sway coefficient, and the 3/8-rule Runge-Kutta step, computed in
 the same order so results match HF's to float rounding.
 """
@@ -37,27 +37,28 @@ def integrate(velocity: Callable, x: torch.Tensor, times: torch.Tensor) -> torch
     return x
 
 
+def request_noise(seed: int, frames: int, mel_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The starting noise (frames, mel_dim) HF's `sample` draws for one request."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn([1, frames, mel_dim], dtype=dtype, generator=generator)[0]
+
+
 def sample_mels(
     dit,
     codes: torch.Tensor,
     speaker_cond: torch.Tensor,
     reference_mel: torch.Tensor,
-    seeds: list[int],
+    noise: torch.Tensor,
     num_steps: int,
     guidance_scale: float,
     sway: float | None,
 ) -> torch.Tensor:
-    """Mel spectrograms (B, mel_dim, frames) for B requests of equal code length."""
+    """Mel spectrograms (B, mel_dim, frames) for B requests of equal code length, each from
+    its starting noise (B, frames, mel_dim)."""
     frames = codes.shape[1] * dit.repeats
     if frames > dit.config.max_position_embeddings:
         raise ValueError(f"{codes.shape[1]} codes make {frames} mel frames, more than the "
                          f"model's {dit.config.max_position_embeddings}")
-    dtype, device = reference_mel.dtype, codes.device
-    noise = torch.cat([
-        torch.randn([1, frames, dit.mel_dim], dtype=dtype,
-                    generator=torch.Generator().manual_seed(seed)).to(device)
-        for seed in seeds
-    ])
     cond = speaker_cond.unsqueeze(1).repeat(1, frames, 1)
 
     def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -68,5 +69,5 @@ def sample_mels(
         guided, unguided = torch.chunk(dit(**kwargs, apply_cfg=True), 2, dim=0)
         return guided + (guided - unguided) * guidance_scale
 
-    mel = integrate(velocity, noise, flow_times(num_steps, sway, cond.dtype).to(device))
+    mel = integrate(velocity, noise, flow_times(num_steps, sway, cond.dtype).to(codes.device))
     return mel.permute(0, 2, 1)

@@ -6,6 +6,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_omni.config.schema import StageConfig
@@ -31,6 +32,7 @@ class Code2WavStage(EngineStage):
         )
         self.sample_rate: int = self.engine.info["sample_rate"]
         self.speakers: list[str] = self.engine.info["speakers"]
+        self._codes: dict[str, list[int]] = {}  # per running request: its codes so far
         logger.info("stage %r serves %s", self.name, self.engine.info)
 
     def sampling_params(self, given: dict[str, Any] | None) -> dict[str, Any]:
@@ -42,19 +44,51 @@ class Code2WavStage(EngineStage):
         return list(prompts)
 
     async def generate(
-        self, request_id: str, prompt: dict[str, Any], params: dict[str, Any]
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: dict[str, Any],
+        input_complete: bool = True,
     ) -> AsyncIterator[OmniRequestOutput]:
-        """`prompt`: {"codes": [...], "speaker": optional voice} (see the input processor)."""
+        """`prompt`: {"codes": [...], "speaker": optional voice} (see the input processor).
+        With `input_complete` false, more codes follow through `add_input`.
+
+        Each output's `audio` is the waveform so far (streamed requests get one output per
+        chunk; `metrics["new_samples"]` says how many samples it added)."""
         params = {**params}
         if prompt.get("speaker") is not None:
             params.setdefault("speaker", prompt["speaker"])
-        async for out in self.engine.generate(request_id, list(prompt["codes"]), params):
-            yield OmniRequestOutput(
-                request_id=request_id,
-                stage=self.name,
-                output_type="audio",
-                finished=out.finished,
-                audio=AudioOutput(out.waveform, out.sample_rate),
-                tensors={"codes": torch.tensor(prompt["codes"], dtype=torch.long)},
-                metrics={"seed": out.seed},
-            )
+        codes = self._codes[request_id] = list(prompt["codes"])
+        pieces: list[np.ndarray] = []
+        try:
+            async for out in self.engine.generate(
+                request_id, {"codes": codes, "complete": input_complete}, params
+            ):
+                pieces.append(out.waveform)
+                total = sum(len(p) for p in pieces)
+                yield OmniRequestOutput(
+                    request_id=request_id,
+                    stage=self.name,
+                    output_type="audio",
+                    finished=out.finished,
+                    audio=AudioOutput(np.concatenate(pieces), out.sample_rate),
+                    tensors={"codes": torch.tensor(self._codes[request_id], dtype=torch.long)}
+                    if out.finished else {},
+                    metrics={"seed": out.seed, "input_complete": out.input_complete,
+                             "new_samples": len(out.waveform), "samples": total},
+                )
+        finally:
+            self._codes.pop(request_id, None)
+
+    async def add_input(self, request_id: str, prompt: dict[str, Any], complete: bool) -> None:
+        """The request's codes so far (the input processor's prompt for the upstream output
+        so far); only the new ones travel."""
+        sent = self._codes.get(request_id)
+        if sent is None:
+            return  # finished, failed or aborted meanwhile
+        codes = list(prompt["codes"])
+        if codes[: len(sent)] != sent:
+            raise ValueError(f"streamed codes of {request_id!r} are not a continuation of "
+                             "the ones already sent")
+        self._codes[request_id] = codes
+        await self.engine.extend(request_id, codes[len(sent):], complete)

@@ -27,7 +27,7 @@ class DiffusionStartError(RuntimeError):
 
 class AsyncDiffusionEngine:
     """Also the client of other non-AR engine cores that speak the same protocol over the
-    pipe (`target(model, options, conn)`; messages add / abort / shutdown; outputs with
+    pipe (`target(model, options, conn)`; messages add / extend / abort / shutdown; outputs with
     request_id, finished, error, error_kind, latents), such as code2wav's."""
 
     def __init__(
@@ -132,6 +132,11 @@ class AsyncDiffusionEngine:
             self._requests.pop(request_id, None)
             if not finished and not self._dead:
                 self._send(("abort", request_id))
+
+    async def extend(self, request_id: str, *payload: Any) -> None:
+        """More input for a running request (a core that takes streamed input)."""
+        if request_id in self._requests:
+            self._send(("extend", request_id, *payload))
 
     async def abort(self, request_id: str) -> None:
         if not self._dead:

@@ -30,6 +30,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     parse_model,
 )
 from vllm_omni.entrypoints.openai.serving import OpenAIServing, error_status, new_request_id
+from vllm_omni.entrypoints.openai.speech import SpeechRequest
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,9 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
         if result is None:  # client went away
             REQUESTS.labels(endpoint, "499").inc()
             return Response(status_code=499)
+        if isinstance(result, Response):  # a file, or a stream of bytes (audio)
+            REQUESTS.labels(endpoint, "200").inc()
+            return result
         if isinstance(result, AsyncIterator):
             return StreamingResponse(
                 _observed(result, endpoint, start), media_type="text/event-stream"
@@ -185,6 +189,10 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
     @app.post("/v1/images/edits")
     async def image_edits(request: Request) -> Response:
         return await serve(request, "image_edits", None, "imgedit", images.edits)
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        return await serve(request, "speech", SpeechRequest, "speech", serving.speech.speech)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

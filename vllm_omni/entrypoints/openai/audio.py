@@ -18,6 +18,9 @@ FORMATS = {
     "pcm": ("RAW", "PCM_16"),
     "pcm16": ("RAW", "PCM_16"),  # OpenAI's name for it in chat audio
 }
+# Formats whose pieces concatenate into the whole: streamed chunk by chunk (the others come
+# as one file at the end of a stream).
+STREAMABLE = {"pcm", "pcm16"}
 
 
 def encode_audio(waveform: np.ndarray, sample_rate: int, fmt: str) -> bytes:

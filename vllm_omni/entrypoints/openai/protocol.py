@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
 
 class AudioOutputParams(BaseModel):
@@ -69,3 +70,11 @@ def error_body(status: HTTPStatus, message: str, param: str | None = None) -> di
 
 def error_response(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=int(status))
+
+
+def raise_for_error(result: Any) -> Any:
+    """vLLM's renderers return an ErrorResponse instead of raising: raise it as a 4xx."""
+    if isinstance(result, ErrorResponse):
+        err = result.error
+        raise OmniHTTPError(HTTPStatus(err.code), err.message, err.param)
+    return result

@@ -30,7 +30,7 @@ from vllm.entrypoints.openai.completion.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
-from vllm.entrypoints.serve.engine.protocol import ErrorResponse, UsageInfo
+from vllm.entrypoints.serve.engine.protocol import UsageInfo
 from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import EngineInput
@@ -38,29 +38,24 @@ from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
-from vllm_omni.entrypoints.openai.audio import FORMATS, audio_b64
+from vllm_omni.entrypoints.openai.audio import FORMATS, STREAMABLE, audio_b64
 from vllm_omni.entrypoints.openai.images import ImageServing, chat_image_prompt, encode_image
 from vllm_omni.entrypoints.openai.protocol import (
     AudioOutputParams,
     OmniChatCompletionRequest,
     OmniCompletionRequest,
     OmniHTTPError,
+    raise_for_error,
 )
+from vllm_omni.entrypoints.openai.speech import SpeechServing
 from vllm_omni.errors import StageError
-from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.outputs import AudioOutput, OmniRequestOutput
 
 Request = OmniChatCompletionRequest | OmniCompletionRequest
 
 
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
-
-
-def raise_for_error(result: Any) -> Any:
-    if isinstance(result, ErrorResponse):
-        err = result.error
-        raise OmniHTTPError(HTTPStatus(err.code), err.message, err.param)
-    return result
 
 
 def _reject_unsupported(request: Request) -> None:
@@ -97,9 +92,10 @@ class OpenAIServing:
         entry = omni.entry_stage
         # Pipelines without an AR entry stage (a diffusion model) take prompts unrendered.
         self.renderer = None
+        self.speech = SpeechServing(omni, None, self.check_model)
         if omni.text_stage is None:
             return
-        self.renderer = OnlineRenderer(
+        self.renderer = self.speech.renderer = OnlineRenderer(
             entry.model_config,
             entry.renderer,
             request_logger=None,
@@ -173,6 +169,7 @@ class OpenAIServing:
         if self.renderer is None:
             return await self._chat_image(request, request_id)
         extra = self._audio_params(request)
+        request = self._with_system_prompt(request)
         _, engine_inputs = raise_for_error(await self.renderer.render_chat(request))
         (engine_input,) = engine_inputs
         prompt_len = len(engine_input["prompt_token_ids"])
@@ -182,6 +179,19 @@ class OpenAIServing:
             outputs = await _primed(outputs)
             return self._chat_stream(request, request_id, outputs, prompt_len)
         return await self._chat_full(request, request_id, outputs, prompt_len)
+
+    def _with_system_prompt(self, request: OmniChatCompletionRequest) -> OmniChatCompletionRequest:
+        """The request with the pipeline's system prompt for an output it asks for, when it
+        brings no system message of its own."""
+        prompts = self.omni.pipeline.system_prompts
+        modalities = request.modalities or self.omni.pipeline.default_modalities or []
+        wanted = [prompts[m] for m in modalities if m in prompts]
+        first = request.messages[0] if request.messages else {}
+        role = first.get("role") if isinstance(first, dict) else getattr(first, "role", None)
+        if not wanted or role == "system":
+            return request
+        system = {"role": "system", "content": wanted[0]}
+        return request.model_copy(update={"messages": [system, *request.messages]})
 
     def _audio_params(self, request: OmniChatCompletionRequest) -> dict[str, dict]:
         """Checks an audio answer can be made; the voice as the audio stage's parameter."""
@@ -202,7 +212,10 @@ class OpenAIServing:
         if audio.voice is not None and audio.voice not in stage.speakers:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"unknown voice {audio.voice!r}; "
                                 f"this model has {stage.speakers}", "audio.voice")
-        return {stage.name: {"speaker": audio.voice}} if audio.voice else {}
+        params: dict = {"speaker": audio.voice} if audio.voice else {}
+        if request.stream and audio.format in STREAMABLE:
+            params["stream"] = True  # audio chunk by chunk as the talker speaks
+        return {stage.name: params} if params else {}
 
     async def _chat_image(self, request: OmniChatCompletionRequest, request_id: str) -> dict:
         """Chat with a diffusion pipeline: the last user message is the prompt, the answer's
@@ -259,16 +272,16 @@ class OpenAIServing:
         # OpenAI's shape: the spoken answer, with the text as its transcript.
         body = response.model_dump(exclude_none=True)
         message = body["choices"][0]["message"]
-        message["audio"] = self._audio_body(request, request_id, finals["audio"],
+        message["audio"] = self._audio_body(request, request_id, finals["audio"].audio,
                                             transcript=message.pop("content", None))
         message["content"] = None
         return body
 
-    def _audio_body(self, request, request_id: str, out: OmniRequestOutput, **fields) -> dict:
+    def _audio_body(self, request, request_id: str, audio: AudioOutput, **fields) -> dict:
         fmt = (request.audio or AudioOutputParams()).format
         return {
             "id": f"audio-{request_id}",
-            "data": audio_b64(out.audio.waveform, out.audio.sample_rate, fmt),
+            "data": audio_b64(audio.waveform, audio.sample_rate, fmt),
             "expires_at": int(time.time()) + 3600,
             **fields,
         }
@@ -307,9 +320,15 @@ class OpenAIServing:
             }))
 
         try:
+            voiced = 0  # samples sent
+            in_pieces = (request.audio or AudioOutputParams()).format in STREAMABLE
             async for out in outputs:
                 if out.output_type == "audio":
-                    yield audio_chunk(self._audio_body(request, request_id, out))
+                    waveform = out.audio.waveform
+                    if out.finished or (in_pieces and waveform.shape[0] > voiced):
+                        new = AudioOutput(waveform[voiced:], out.audio.sample_rate)
+                        voiced = waveform.shape[0]
+                        yield audio_chunk(self._audio_body(request, request_id, new))
                     continue
                 if out.output_type != "text":
                     continue

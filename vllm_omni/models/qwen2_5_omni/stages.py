@@ -6,6 +6,7 @@ from typing import Any
 
 from vllm_omni.models.qwen2_5_omni.speakers import speaker_bos
 from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.processors import reply_start
 
 
 def thinker_to_talker(
@@ -18,7 +19,9 @@ def thinker_to_talker(
     if "hidden_states" not in thinker.tensor_handles:
         raise ValueError("the thinker stage must keep hidden states (hidden_states: true)")
     config = stage.model_config.hf_config
+    # A written answer at the prompt's end (text to speech) is spoken as the thinker's reply.
     prompt_ids = list(thinker.prompt_token_ids)
+    prompt_ids = prompt_ids[:reply_start(params.get("thinker"), len(prompt_ids))]
     codec = [config.tts_codec_mask_token_id] * len(prompt_ids)
     codec += [config.tts_codec_pad_token_id, config.tts_codec_start_token_id]
     return {
@@ -52,11 +55,19 @@ def talker_sampling(config: Any) -> dict[str, Any]:
 
 
 def talker_to_code2wav(
-    upstream: dict[str, OmniRequestOutput], prompt: Any
+    upstream: dict[str, OmniRequestOutput], prompt: Any, stage: Any, params: dict[str, Any]
 ) -> dict[str, Any]:
-    """The codes up to (not with) the first codec eos or pad, which end the speech."""
+    """The codes so far, up to (not with) the first codec eos or pad, which end the speech.
+
+    Also called on the talker's unfinished outputs (a streamed edge): vLLM keeps the stop token
+    among the outputs, and the token list of an unfinished output can already hold it."""
     talker = upstream["talker"]
     codes = list(talker.token_ids or [])
-    if codes and talker.completions[0].finish_reason == "stop":
-        codes = codes[:-1]  # vLLM keeps the stop token among the outputs
+    if talker.finished and codes and talker.completions[0].finish_reason == "stop":
+        codes = codes[:-1]  # a stop token (or the model's eos) ended it
+    talker_params = params.get("talker")
+    stops = set(getattr(talker_params, "stop_token_ids", None) or [])
+    for i, code in enumerate(codes):
+        if code in stops:
+            return {"codes": codes[:i]}
     return {"codes": codes}

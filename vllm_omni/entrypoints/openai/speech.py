@@ -1,0 +1,163 @@
+"""`/v1/audio/speech`: OpenAI's text-to-speech endpoint over a pipeline that speaks.
+
+A speaking pipeline speaks what its text stage answers (Qwen2.5-Omni: the talker speaks the
+thinker's reply). To read a given text aloud, the request becomes a conversation whose answer
+is already written: the pipeline's system prompt for audio, a user turn with the
+instructions, and the input text as the assistant's reply. The text stage only reads it (one
+prefill; the one token it generates is dropped), and `REPLY_START` tells the stages after it
+where the reply starts, so they speak it as if the text stage had written it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any, Literal
+
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from vllm import SamplingParams
+
+from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
+from vllm_omni.entrypoints.openai.audio import FORMATS, STREAMABLE, encode_audio
+from vllm_omni.entrypoints.openai.protocol import OmniHTTPError, raise_for_error
+from vllm_omni.processors import REPLY_START
+
+DEFAULT_INSTRUCTIONS = "Read the following text aloud."
+MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "flac": "audio/flac",
+               "pcm": "audio/pcm", "pcm16": "audio/pcm"}
+
+
+class SpeechRequest(BaseModel):
+    """OpenAI's speech request, plus `stage_sampling_params` (per-stage overrides)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str = Field(min_length=1, max_length=4096)
+    voice: str | None = None
+    instructions: str | None = None
+    response_format: str = "mp3"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+    stage_sampling_params: dict[str, dict[str, Any]] | None = None
+
+
+class SpeechServing:
+    def __init__(self, omni: AsyncOmniLLM, renderer: Any, check_model) -> None:
+        self.omni = omni
+        self.renderer = renderer
+        self.check_model = check_model
+
+    async def speech(self, request: SpeechRequest, request_id: str) -> Response | AsyncIterator:
+        """The audio file, a stream of raw audio (`stream_format: audio` in pcm), or SSE
+        events (`speech.audio.delta` ..., `speech.audio.done`)."""
+        self.check_model(request.model)
+        stage = self._check(request)
+        prompt, reply_at = await self._prompt(request)
+        pieces = request.response_format in STREAMABLE
+        params = self._params(request, stage.name, reply_at, stream=pieces)
+        outputs = self.omni.generate(prompt, params, request_id, ["audio"])
+        if request.stream_format == "sse":
+            return self._events(request, outputs, len(prompt["prompt_token_ids"]))
+        media_type = MEDIA_TYPES[request.response_format]
+        if pieces:
+            audio = _new_audio(outputs)
+            first = await anext(audio)  # an error before any audio still gets its status
+            return StreamingResponse(_raw(first, audio), media_type=media_type)
+        final = None
+        async for out in outputs:
+            final = out
+        audio = final.audio
+        data = encode_audio(audio.waveform, audio.sample_rate, request.response_format)
+        return Response(data, media_type=media_type)
+
+    def _check(self, request: SpeechRequest):
+        stage = self.omni.audio_stage
+        text_stage = self.omni.text_stage
+        if stage is None or text_stage is None or self.renderer is None:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST,
+                                f"pipeline {self.omni.pipeline.name!r} does not speak")
+        if request.response_format not in FORMATS:
+            raise OmniHTTPError(
+                HTTPStatus.BAD_REQUEST, f"response_format {request.response_format!r} is not "
+                f"supported; use one of {sorted(FORMATS)}", "response_format")
+        if request.voice is not None and request.voice not in stage.speakers:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"unknown voice {request.voice!r}; "
+                                f"this model has {stage.speakers}", "voice")
+        if request.speed != 1.0:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "speed other than 1.0 is not "
+                                "supported by this model", "speed")
+        return stage
+
+    async def _prompt(self, request: SpeechRequest) -> tuple[dict[str, list[int]], int]:
+        """The conversation up to the assistant's turn, then the input text's tokens; and
+        where the reply starts."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        messages = [{"role": "user", "content": request.instructions or DEFAULT_INSTRUCTIONS}]
+        system = self.omni.pipeline.system_prompts.get("audio")
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+        chat = ChatCompletionRequest(messages=messages, add_generation_prompt=True)
+        _, (rendered,) = raise_for_error(await self.renderer.render_chat(chat))
+        head = list(rendered["prompt_token_ids"])
+        tokenizer = self.omni.text_stage.renderer.get_tokenizer()
+        reply = tokenizer.encode(request.input, add_special_tokens=False)
+        return {"prompt_token_ids": head + reply}, len(head)
+
+    def _params(self, request: SpeechRequest, audio_stage: str, reply_at: int,
+                stream: bool) -> list:
+        overrides = dict(request.stage_sampling_params or {})
+        names = [s.name for s in self.omni.pipeline.stages]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"stage_sampling_params names unknown "
+                                f"stages {unknown}; stages are {names}", "stage_sampling_params")
+        text = self.omni.text_stage.name
+        if text in overrides:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"the text stage {text!r} only reads "
+                                "the input; it takes no parameters here", "stage_sampling_params")
+        audio = {"stream": stream, **({"speaker": request.voice} if request.voice else {})}
+        overrides[audio_stage] = {**audio, **overrides.get(audio_stage, {})}
+        overrides[text] = SamplingParams(max_tokens=1, temperature=0,
+                                         extra_args={REPLY_START: reply_at})
+        return self.omni.sampling_params_list([overrides.get(n) for n in names])
+
+    async def _events(self, request: SpeechRequest, outputs, input_tokens: int
+                      ) -> AsyncIterator[str]:
+        whole = request.response_format not in STREAMABLE
+        codes = 0
+        async for out, new in _new_audio(outputs, whole):
+            data = encode_audio(new, out.audio.sample_rate, request.response_format)
+            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+            if out.finished:
+                codes = len(out.tensors.get("codes", ()))
+        yield _event({"type": "speech.audio.done", "usage": {
+            "input_tokens": input_tokens, "output_tokens": codes,
+            "total_tokens": input_tokens + codes}})
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def _new_audio(outputs: AsyncIterator, whole: bool = False) -> AsyncIterator:
+    """(output, its new samples) per audio output; `whole`: the whole waveform at the end."""
+    voiced = 0
+    async for out in outputs:
+        waveform = out.audio.waveform
+        if (whole and not out.finished) or (waveform.shape[0] == voiced and not out.finished):
+            continue
+        yield out, waveform[voiced:]
+        voiced = waveform.shape[0]
+
+
+async def _raw(first: tuple, rest: AsyncIterator) -> AsyncIterator[bytes]:
+    """Raw 16-bit audio: the first piece, then the others as they come."""
+    out, new = first
+    yield encode_audio(new, out.audio.sample_rate, "pcm")
+    async for out, new in rest:
+        yield encode_audio(new, out.audio.sample_rate, "pcm")
