@@ -262,3 +262,8 @@ def test_modalities(client):
             modalities=["text", "audio"],
             audio={"voice": "alloy", "format": "wav"},
         )
+
+
+def test_speech_on_a_pipeline_that_does_not_speak_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="does not speak"):
+        client.audio.speech.create(model=SERVED_NAME, voice="Ethan", input="Hello.")

@@ -4,10 +4,10 @@ It runs HF transformers' Qwen2.5-Omni token2wav modules (flow-matching DiT, then
 vocoder), loaded alone from the model folder's `token2wav.*` weights, with our sampler
 (sampler.py). A request is decoded whole (HF's result) or, streamed, chunk by chunk as its
 codes arrive (chunks.py). Ready work with the same DiT window length, voice and solver
-settings is decoded as one batch (up to `max_batch_size`), each from its own seed's noise, so
-a request's waveform does not depend on what it is batched with: decoded whole it equals HF's
-for its seed. Oldest request first; messages are read between batches, so an abort drops a
-request at once or right after its batch.
+settings is decoded as one batch (up to `max_batch_size` and `max_batch_frames`), each from
+its own seed's noise, so a request's waveform does not depend on what it is batched with:
+decoded whole it equals HF's for its seed. Oldest request first; messages are read between
+batches, so an abort drops a request at once or right after its batch.
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ class Code2WavOptions:
     # cores, streamed time to first audio 1.22 s with 2 threads, 0.63 s with 1).
     num_threads: int | None = None
     max_batch_size: int = 8
+    # Mel frames per DiT batch and per vocoder batch (at least one request). Past about a
+    # thousand frames the activations leave a CPU's caches and a batch costs more per request
+    # than one by one (tiny model, 1 thread: 8 x 300 codes batched 2.4 s/request, alone 1.4 s);
+    # a GPU wants far more.
+    max_batch_frames: int = 1024
     defaults: dict[str, Any] = field(default_factory=dict)
     # Streamed requests (see chunks.py): audio per `chunk_codes` codes (0.48 s at 50 codes/s),
     # each denoised with this many codes of context before it and after it, and voiced with
@@ -147,6 +152,7 @@ class Code2WavCore:
         self.speakers = speakers(model)
         check_params(options.defaults, list(self.speakers))
         self.max_batch_size = options.max_batch_size
+        self.max_batch_frames = options.max_batch_frames
         self.requests: OrderedDict[str, Code2WavRequest] = OrderedDict()  # oldest first
         self.running = True
 
@@ -202,7 +208,12 @@ class Code2WavCore:
         if not jobs:
             return []
         key = self.batch_key(jobs[0])
-        return [job for job in jobs if self.batch_key(job) == key][: self.max_batch_size]
+        same = [job for job in jobs if self.batch_key(job) == key][: self.max_batch_size]
+        return same[: self.fitting(key[0] * self.chunking.frames_per_code, len(same))]
+
+    def fitting(self, frames: int, count: int) -> int:
+        """How many of `count` inputs of `frames` frames each one batch takes."""
+        return max(1, min(count, self.max_batch_frames // max(frames, 1)))
 
     def decode(self, batch: list[Job]) -> list[np.ndarray]:
         """Each job's new audio samples."""
@@ -228,12 +239,15 @@ class Code2WavCore:
         waves: list[np.ndarray | None] = [None] * n
         for length in {v.shape[1] for v in voiced}:
             same = [i for i in range(n) if voiced[i].shape[1] == length]
-            out = self.token2wav.code2wav_bigvgan_model(torch.stack([voiced[i] for i in same]))
-            out = out.reshape(len(same), -1).float().numpy()
-            per_frame = out.shape[1] // length
-            for row, i in enumerate(same):
-                first, last = batch[i].vocoder_cut
-                waves[i] = out[row, first * per_frame:last * per_frame]
+            step = self.fitting(length, len(same))
+            for group in (same[k:k + step] for k in range(0, len(same), step)):
+                out = self.token2wav.code2wav_bigvgan_model(
+                    torch.stack([voiced[i] for i in group]))
+                out = out.reshape(len(group), -1).float().numpy()
+                per_frame = out.shape[1] // length
+                for row, i in enumerate(group):
+                    first, last = batch[i].vocoder_cut
+                    waves[i] = out[row, first * per_frame:last * per_frame]
         return waves
 
     @property
