@@ -255,3 +255,27 @@ def test_streamed_speech_starts_while_the_talker_speaks(speech_llm, hf_speech):
     # Chunks approximate the whole decode: the DiT sees each with context around it.
     snr = 10 * np.log10(np.sum(unchunked**2) / np.sum((waveform - unchunked) ** 2))
     assert snr > 40, f"chunked audio is {snr:.1f} dB from the whole decode"
+
+
+def test_hanging_up_on_streamed_speech_stops_every_stage(speech_llm, hf_speech):
+    """Close the stream after the first audio chunk: the talker and code2wav stop at once."""
+    engine = speech_llm.engine
+    children = psutil.Process().children(recursive=True)
+    streamed = params(stream=True)
+    streamed[1] = {"temperature": 0, "max_tokens": 900, "stop_token_ids": []}
+
+    async def first_chunk_then_hang_up():
+        outputs = engine.generate(hf_speech[0][0], streamed, "hang-up-streamed",
+                                  ["text", "audio"])
+        async for out in outputs:
+            if out.stage == "code2wav":
+                await outputs.aclose()
+                return out
+
+    idle = busy_seconds(children)
+    first = run(speech_llm, first_chunk_then_hang_up())
+    assert not first.finished and first.metrics["samples"] > 0
+    # 900 codes take ~15 s to speak here; closed, every stage is idle once vLLM's workers
+    # stop polling (about a second after their last step).
+    time.sleep(2)
+    assert busy_seconds(children) < idle + 0.2
