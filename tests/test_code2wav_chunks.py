@@ -65,6 +65,22 @@ def test_streamed_chunks_and_their_windows():
     ]
 
 
+def test_a_shorter_first_chunk():
+    settings = ChunkSettings(24, 24, 12, 8, 2, 16, first_chunk_codes=12)
+    req = request(list(range(60)), complete=True)
+    jobs = []
+    while (job := next_job(req, settings)) is not None:
+        jobs.append((job.start, job.end, job.window))
+        req.decoded = job.end
+        if job.last:
+            break
+    assert jobs == [(0, 12, (0, 24)), (12, 36, (0, 48)), (36, 60, (12, 60))]
+    req = request(list(range(23)), complete=False)
+    assert next_job(req, settings) is None  # 12 codes + 12 of lookahead
+    req.codes.append(23)
+    assert next_job(req, settings).window == (0, 24)
+
+
 def test_a_chunk_waits_for_its_lookahead():
     req = request(list(range(35)), complete=False)
     assert next_job(req, SETTINGS) is None  # 24 codes + 12 of lookahead needed
@@ -118,3 +134,5 @@ def test_settings_must_keep_windows_on_block_boundaries():
         ChunkSettings(20, 24, 12, 8, 2, 16).check(12)
     with pytest.raises(ValueError, match="context_codes"):
         ChunkSettings(24, 6, 12, 8, 2, 16).check(12)
+    with pytest.raises(ValueError, match="first_chunk_codes"):
+        ChunkSettings(24, 24, 12, 8, 2, 16, first_chunk_codes=8).check(12)

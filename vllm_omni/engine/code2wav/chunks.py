@@ -4,7 +4,8 @@ A request decoded whole (the default) is HF's token2wav: the DiT denoises every 
 from the noise HF draws for the seed, and the vocoder voices the whole mel spectrogram.
 
 A streamed request (`stream: true`) is decoded in chunks of `chunk_codes` as its codes
-arrive, so audio starts before the talker has finished. The DiT's attention reaches
+arrive (the first chunk can be shorter, `first_chunk_codes`, for earlier audio), so audio
+starts before the talker has finished. The DiT's attention reaches
 neighbouring blocks, so it denoises each chunk inside a window with up to `context_codes`
 before it and `lookahead_codes` after it, and the chunk's frames are kept. The vocoder voices
 the chunk's mel between the last frames already voiced and the window's frames after it, and
@@ -33,12 +34,19 @@ class ChunkSettings:
     vocoder_context_frames: int
     frames_per_code: int  # the DiT's repeats
     mel_dim: int
+    first_chunk_codes: int | None = None  # default: chunk_codes
+
+    @property
+    def first_chunk(self) -> int:
+        return self.first_chunk_codes or self.chunk_codes
 
     def check(self, block_codes: int) -> None:
         """Windows must start on the DiT's attention block boundaries, as in the whole decode."""
-        for name in ("chunk_codes", "context_codes"):
+        for name in ("chunk_codes", "first_chunk_codes", "context_codes"):
             value = getattr(self, name)
-            if value < (1 if name == "chunk_codes" else 0) or value % block_codes:
+            if name == "first_chunk_codes" and value is None:
+                continue
+            if value < (1 if name != "context_codes" else 0) or value % block_codes:
                 raise ValueError(f"{name} must be a positive multiple of the DiT's block "
                                  f"({block_codes} codes), got {value}")
         if self.lookahead_codes < 0 or self.vocoder_context_frames < 0:
@@ -86,9 +94,10 @@ def next_job(request: Code2WavRequest, settings: ChunkSettings) -> Job | None:
     if not request.streamed:
         return Job(request, 0, n, (0, n)) if request.complete else None
     start = request.decoded
-    if not request.complete and n < start + settings.chunk_codes + settings.lookahead_codes:
+    size = settings.first_chunk if start == 0 else settings.chunk_codes
+    if not request.complete and n < start + size + settings.lookahead_codes:
         return None
-    end = min(start + settings.chunk_codes, n)
+    end = min(start + size, n)
     window = (max(0, start - settings.context_codes), min(end + settings.lookahead_codes, n))
     return Job(request, start, end, window)
 
