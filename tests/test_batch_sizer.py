@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_omni.engine.batch_sizer import BatchSizer, size_class
+from vllm_omni.engine.diffusion.batch_sizer import BatchSizer, size_class
 
 
 def settle(per_image: dict[int, float], top: int, steps: int = 80) -> int:

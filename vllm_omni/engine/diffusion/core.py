@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_omni.engine.batch_sizer import BatchSizer
 from vllm_omni.engine.core_process import serve_core
+from vllm_omni.engine.diffusion.batch_sizer import BatchSizer
 from vllm_omni.engine.diffusion.cache import CacheConfig
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from vllm_omni.engine.batch_sizer import BatchSizer
+from vllm_omni.engine.diffusion.batch_sizer import BatchSizer
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 
 

@@ -1,9 +1,8 @@
-"""BatchSizer: learns, per batch key, how large a batch still pays (diffusion steps, code2wav).
+"""BatchSizer: learns, per batch key, how large a denoising batch still pays.
 
 On a GPU a bigger batch is nearly free until the device fills; on a CPU one image of a large
-DiT (or a long code2wav request) already saturates the cores, and a bigger batch only makes
-every request in it finish later (or, once activations leave the caches, costs more per
-request). The sizer measures the time per image (request) at each batch size (powers of two) and
+DiT already saturates the cores, and a bigger batch only makes every request in it finish
+later. The sizer measures the time per image of steps at each batch size (powers of two) and
 keeps the limit at the smallest size that is within `gain` of the best per-image time seen.
 It measures the next smaller (and larger) size now and then so the limit can move both ways.
 Medians of the last few steps keep one noisy step from moving it.
