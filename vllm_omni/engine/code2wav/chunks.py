@@ -42,11 +42,10 @@ class ChunkSettings:
 
     def check(self, block_codes: int) -> None:
         """Windows must start on the DiT's attention block boundaries, as in the whole decode."""
-        for name in ("chunk_codes", "first_chunk_codes", "context_codes"):
-            value = getattr(self, name)
-            if name == "first_chunk_codes" and value is None:
-                continue
-            if value < (1 if name != "context_codes" else 0) or value % block_codes:
+        for name, value, least in (("chunk_codes", self.chunk_codes, 1),
+                                   ("first_chunk_codes", self.first_chunk, 1),
+                                   ("context_codes", self.context_codes, 0)):
+            if value < least or value % block_codes:
                 raise ValueError(f"{name} must be a positive multiple of the DiT's block "
                                  f"({block_codes} codes), got {value}")
         if self.lookahead_codes < 0 or self.vocoder_context_frames < 0:

@@ -65,17 +65,17 @@ class Code2WavStage(EngineStage):
                 request_id, {"codes": codes, "complete": input_complete}, params
             ):
                 pieces.append(out.waveform)
-                total = sum(len(p) for p in pieces)
+                waveform = np.concatenate(pieces)
                 yield OmniRequestOutput(
                     request_id=request_id,
                     stage=self.name,
                     output_type="audio",
                     finished=out.finished,
-                    audio=AudioOutput(np.concatenate(pieces), out.sample_rate),
+                    audio=AudioOutput(waveform, out.sample_rate),
                     tensors={"codes": torch.tensor(self._codes[request_id], dtype=torch.long)}
                     if out.finished else {},
                     metrics={"seed": out.seed, "input_complete": out.input_complete,
-                             "new_samples": len(out.waveform), "samples": total},
+                             "new_samples": len(out.waveform), "samples": len(waveform)},
                 )
         finally:
             self._codes.pop(request_id, None)

@@ -24,14 +24,10 @@ STREAMABLE = {"pcm", "pcm16"}
 
 
 def encode_audio(waveform: np.ndarray, sample_rate: int, fmt: str) -> bytes:
-    """A mono waveform in [-1, 1] as a file of the requested format (16-bit samples)."""
+    """A mono waveform in [-1, 1] as a file of `fmt` (one of FORMATS, checked by the caller
+    with `check_voice_and_format`), in 16-bit samples."""
     import soundfile
 
-    if fmt not in FORMATS:
-        raise OmniHTTPError(
-            HTTPStatus.BAD_REQUEST,
-            f"audio format {fmt!r} is not supported; use one of {sorted(FORMATS)}", "format",
-        )
     container, subtype = FORMATS[fmt]
     buf = io.BytesIO()
     extra = {"endian": "LITTLE"} if container == "RAW" else {}
@@ -42,3 +38,30 @@ def encode_audio(waveform: np.ndarray, sample_rate: int, fmt: str) -> bytes:
 
 def audio_b64(waveform: np.ndarray, sample_rate: int, fmt: str) -> str:
     return base64.b64encode(encode_audio(waveform, sample_rate, fmt)).decode()
+
+
+def check_voice_and_format(speakers: list[str], voice: str | None, fmt: str,
+                           voice_field: str, format_field: str) -> None:
+    """400s for a voice the model lacks or a format it cannot write, naming the field."""
+    if fmt not in FORMATS:
+        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"{format_field} {fmt!r} is not supported; "
+                            f"use one of {sorted(FORMATS)}", format_field)
+    if voice is not None and voice not in speakers:
+        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"unknown voice {voice!r}; "
+                            f"this model has {speakers}", voice_field)
+
+
+class AudioPieces:
+    """What to send of an audio stage's outputs (each holds the waveform so far): each new
+    piece as it comes when the format concatenates (`in_pieces`), else the whole waveform
+    once finished; None while there is nothing to send."""
+
+    def __init__(self, in_pieces: bool) -> None:
+        self.in_pieces = in_pieces
+        self.sent = 0
+
+    def take(self, waveform: np.ndarray, finished: bool) -> np.ndarray | None:
+        if not finished and (not self.in_pieces or waveform.shape[0] == self.sent):
+            return None
+        new, self.sent = waveform[self.sent:], waveform.shape[0]
+        return new

@@ -78,3 +78,14 @@ def raise_for_error(result: Any) -> Any:
         err = result.error
         raise OmniHTTPError(HTTPStatus(err.code), err.message, err.param)
     return result
+
+
+def check_stage_names(overrides: dict[str, Any], names: list[str]) -> None:
+    """A 400 when `stage_sampling_params` names stages the pipeline does not have."""
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise OmniHTTPError(
+            HTTPStatus.BAD_REQUEST,
+            f"stage_sampling_params names unknown stages {unknown}; stages are {names}",
+            "stage_sampling_params",
+        )

@@ -38,13 +38,19 @@ from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
-from vllm_omni.entrypoints.openai.audio import FORMATS, STREAMABLE, audio_b64
+from vllm_omni.entrypoints.openai.audio import (
+    STREAMABLE,
+    AudioPieces,
+    audio_b64,
+    check_voice_and_format,
+)
 from vllm_omni.entrypoints.openai.images import ImageServing, chat_image_prompt, encode_image
 from vllm_omni.entrypoints.openai.protocol import (
     AudioOutputParams,
     OmniChatCompletionRequest,
     OmniCompletionRequest,
     OmniHTTPError,
+    check_stage_names,
     raise_for_error,
 )
 from vllm_omni.entrypoints.openai.speech import SpeechServing
@@ -92,17 +98,16 @@ class OpenAIServing:
         entry = omni.entry_stage
         # Pipelines without an AR entry stage (a diffusion model) take prompts unrendered.
         self.renderer = None
-        self.speech = SpeechServing(omni, None, self.check_model)
-        if omni.text_stage is None:
-            return
-        self.renderer = self.speech.renderer = OnlineRenderer(
-            entry.model_config,
-            entry.renderer,
-            request_logger=None,
-            chat_template=chat_template,
-            chat_template_content_format=chat_template_content_format,
-            default_chat_template_kwargs=default_chat_template_kwargs,
-        )
+        if omni.text_stage is not None:
+            self.renderer = OnlineRenderer(
+                entry.model_config,
+                entry.renderer,
+                request_logger=None,
+                chat_template=chat_template,
+                chat_template_content_format=chat_template_content_format,
+                default_chat_template_kwargs=default_chat_template_kwargs,
+            )
+        self.speech = SpeechServing(omni, self.renderer, self.check_model)
 
     @property
     def model_name(self) -> str:
@@ -126,13 +131,7 @@ class OpenAIServing:
         for name, values in (extra or {}).items():
             overrides[name] = {**values, **overrides.get(name, {})}
         names = [s.name for s in self.omni.pipeline.stages]
-        unknown = sorted(set(overrides) - set(names))
-        if unknown:
-            raise OmniHTTPError(
-                HTTPStatus.BAD_REQUEST,
-                f"stage_sampling_params names unknown stages {unknown}; stages are {names}",
-                "stage_sampling_params",
-            )
+        check_stage_names(overrides, names)
         text_stage = self.omni.text_stage
         params: list[SamplingParams | dict[str, Any] | None] = []
         for name in names:
@@ -206,12 +205,8 @@ class OpenAIServing:
         if (request.n or 1) != 1:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "audio output supports n=1 only", "n")
         audio = request.audio or AudioOutputParams()
-        if audio.format not in FORMATS:
-            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"audio format {audio.format!r} is not "
-                                f"supported; use one of {sorted(FORMATS)}", "audio.format")
-        if audio.voice is not None and audio.voice not in stage.speakers:
-            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"unknown voice {audio.voice!r}; "
-                                f"this model has {stage.speakers}", "audio.voice")
+        check_voice_and_format(stage.speakers, audio.voice, audio.format, "audio.voice",
+                               "audio.format")
         params: dict = {"speaker": audio.voice} if audio.voice else {}
         if request.stream and audio.format in STREAMABLE:
             params["stream"] = True  # audio chunk by chunk as the talker speaks
@@ -320,15 +315,13 @@ class OpenAIServing:
             }))
 
         try:
-            voiced = 0  # samples sent
-            in_pieces = (request.audio or AudioOutputParams()).format in STREAMABLE
+            pieces = AudioPieces((request.audio or AudioOutputParams()).format in STREAMABLE)
             async for out in outputs:
                 if out.output_type == "audio":
-                    waveform = out.audio.waveform
-                    if out.finished or (in_pieces and waveform.shape[0] > voiced):
-                        new = AudioOutput(waveform[voiced:], out.audio.sample_rate)
-                        voiced = waveform.shape[0]
-                        yield audio_chunk(self._audio_body(request, request_id, new))
+                    new = pieces.take(out.audio.waveform, out.finished)
+                    if new is not None:
+                        audio = AudioOutput(new, out.audio.sample_rate)
+                        yield audio_chunk(self._audio_body(request, request_id, audio))
                     continue
                 if out.output_type != "text":
                     continue

@@ -19,10 +19,20 @@ from typing import Any, Literal
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from vllm import SamplingParams
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
-from vllm_omni.entrypoints.openai.audio import FORMATS, STREAMABLE, encode_audio
-from vllm_omni.entrypoints.openai.protocol import OmniHTTPError, raise_for_error
+from vllm_omni.entrypoints.openai.audio import (
+    STREAMABLE,
+    AudioPieces,
+    check_voice_and_format,
+    encode_audio,
+)
+from vllm_omni.entrypoints.openai.protocol import (
+    OmniHTTPError,
+    check_stage_names,
+    raise_for_error,
+)
 from vllm_omni.processors import REPLY_START
 
 DEFAULT_INSTRUCTIONS = "Read the following text aloud."
@@ -57,14 +67,14 @@ class SpeechServing:
         self.check_model(request.model)
         stage = self._check(request)
         prompt, reply_at = await self._prompt(request)
-        pieces = request.response_format in STREAMABLE
-        params = self._params(request, stage.name, reply_at, stream=pieces)
+        in_pieces = request.response_format in STREAMABLE
+        params = self._params(request, stage.name, reply_at, stream=in_pieces)
         outputs = self.omni.generate(prompt, params, request_id, ["audio"])
         if request.stream_format == "sse":
             return self._events(request, outputs, len(prompt["prompt_token_ids"]))
         media_type = MEDIA_TYPES[request.response_format]
-        if pieces:
-            audio = _new_audio(outputs)
+        if in_pieces:
+            audio = _new_audio(outputs, in_pieces=True)
             first = await anext(audio)  # an error before any audio still gets its status
             return StreamingResponse(_raw(first, audio), media_type=media_type)
         final = None
@@ -80,13 +90,8 @@ class SpeechServing:
         if stage is None or text_stage is None or self.renderer is None:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST,
                                 f"pipeline {self.omni.pipeline.name!r} does not speak")
-        if request.response_format not in FORMATS:
-            raise OmniHTTPError(
-                HTTPStatus.BAD_REQUEST, f"response_format {request.response_format!r} is not "
-                f"supported; use one of {sorted(FORMATS)}", "response_format")
-        if request.voice is not None and request.voice not in stage.speakers:
-            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"unknown voice {request.voice!r}; "
-                                f"this model has {stage.speakers}", "voice")
+        check_voice_and_format(stage.speakers, request.voice, request.response_format,
+                               "voice", "response_format")
         if request.speed != 1.0:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "speed other than 1.0 is not "
                                 "supported by this model", "speed")
@@ -95,8 +100,6 @@ class SpeechServing:
     async def _prompt(self, request: SpeechRequest) -> tuple[dict[str, list[int]], int]:
         """The conversation up to the assistant's turn, then the input text's tokens; and
         where the reply starts."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
         messages = [{"role": "user", "content": request.instructions or DEFAULT_INSTRUCTIONS}]
         system = self.omni.pipeline.system_prompts.get("audio")
         if system:
@@ -112,10 +115,7 @@ class SpeechServing:
                 stream: bool) -> list:
         overrides = dict(request.stage_sampling_params or {})
         names = [s.name for s in self.omni.pipeline.stages]
-        unknown = sorted(set(overrides) - set(names))
-        if unknown:
-            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"stage_sampling_params names unknown "
-                                f"stages {unknown}; stages are {names}", "stage_sampling_params")
+        check_stage_names(overrides, names)
         text = self.omni.text_stage.name
         if text in overrides:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"the text stage {text!r} only reads "
@@ -128,9 +128,9 @@ class SpeechServing:
 
     async def _events(self, request: SpeechRequest, outputs, input_tokens: int
                       ) -> AsyncIterator[str]:
-        whole = request.response_format not in STREAMABLE
+        in_pieces = request.response_format in STREAMABLE
         codes = 0
-        async for out, new in _new_audio(outputs, whole):
+        async for out, new in _new_audio(outputs, in_pieces):
             data = encode_audio(new, out.audio.sample_rate, request.response_format)
             yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
             if out.finished:
@@ -144,15 +144,13 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _new_audio(outputs: AsyncIterator, whole: bool = False) -> AsyncIterator:
-    """(output, its new samples) per audio output; `whole`: the whole waveform at the end."""
-    voiced = 0
+async def _new_audio(outputs: AsyncIterator, in_pieces: bool) -> AsyncIterator:
+    """(output, what to send of it) per audio output with something to send."""
+    pieces = AudioPieces(in_pieces)
     async for out in outputs:
-        waveform = out.audio.waveform
-        if (whole and not out.finished) or (waveform.shape[0] == voiced and not out.finished):
-            continue
-        yield out, waveform[voiced:]
-        voiced = waveform.shape[0]
+        new = pieces.take(out.audio.waveform, out.finished)
+        if new is not None:
+            yield out, new
 
 
 async def _raw(first: tuple, rest: AsyncIterator) -> AsyncIterator[bytes]:
