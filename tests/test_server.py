@@ -233,6 +233,7 @@ def test_client_disconnect_aborts_the_request(server, stream):
             ):
                 assert time.monotonic() < deadline, "the server never saw the disconnect"
                 time.sleep(0.2)
+            at_hang_up = metric(server, "vllm:generation_tokens_total")  # engine still frozen
         finally:
             os.kill(engine.pid, signal.SIGCONT)
         if hung_up:
@@ -244,8 +245,11 @@ def test_client_disconnect_aborts_the_request(server, stream):
         assert time.monotonic() < deadline, "the engine kept running the request"
         time.sleep(0.2)
     time.sleep(1)
-    # Stopped early: far fewer than the 900 tokens asked for, and never finished as done.
-    assert metric(server, "vllm:generation_tokens_total") - generated_before < 450
+    # Stopped: at most a few steps after the engine resumed (how far it got before the freeze
+    # depends on the machine's load), short of the 900 tokens asked, never finished as done.
+    generated = metric(server, "vllm:generation_tokens_total")
+    assert generated - at_hang_up < 50
+    assert generated - generated_before < 900
     assert metric(server, "vllm:request_success_total") == finished_before
 
 
