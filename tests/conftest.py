@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
-# Small KV cache for tiny models; spawn, as `vllm serve` uses, for engine processes.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Spawn, as `vllm serve` uses, for engine processes. No memory setting: vllm-omni plans each
+# stage's budget itself (vLLM's own reference engines below are given one explicitly).
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MAX_MODEL_LEN = 2048
 SERVER_MAX_MODEL_LEN = 1024
+# vLLM's own engine on CPU reserves 92% of the machine unless told a KV cache size.
+REFERENCE_KV_BYTES = 1 << 30
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +67,8 @@ def vllm_llm(tiny_qwen2):
     """vLLM's own offline LLM on the tiny model: the reference."""
     from vllm import LLM
 
-    llm = LLM(tiny_qwen2, max_model_len=MAX_MODEL_LEN, disable_log_stats=True)
+    llm = LLM(tiny_qwen2, max_model_len=MAX_MODEL_LEN, disable_log_stats=True,
+              kv_cache_memory_bytes=REFERENCE_KV_BYTES)
     yield llm
     llm.llm_engine.engine_core.shutdown()
 

@@ -18,10 +18,11 @@ from PIL import Image
 
 @pytest.fixture(scope="module")
 def doomed_server(tmp_path_factory):
-    """`vllm serve --omni` with no model: the built-in default, made on first use."""
+    """`vllm serve --omni` with no model and no flags (the README's first command): the
+    built-in default, made on first use, with the memory plan's budgets."""
     folder = tmp_path_factory.mktemp("doomed")
     srv = ServerProcess(
-        ["--max-model-len", "2048"],
+        [],
         folder / "server.log",
         env={"VLLM_OMNI_CACHE_DIR": str(folder / "cache")},
     )
@@ -47,6 +48,24 @@ def test_default_model_is_built_locally_and_served(doomed_server):
     ).json()
     image = Image.open(io.BytesIO(base64.b64decode(images["data"][0]["b64_json"])))
     assert image.size == (32, 32)
+
+
+def test_memory_plan_is_shown_and_holds(doomed_server):
+    """The plan is logged as a table and served as JSON; it adds up, fits what was free, and
+    the stage processes (proportional set size, shared pages split) stay within it."""
+    plan = httpx.get(doomed_server.url + "/v1/omni/plan").json()
+    assert [s["stage"] for s in plan["stages"]] == ["llm", "digits"]
+    assert {s["source"] for s in plan["stages"]} == {"planned"}
+    for s in plan["stages"]:
+        assert s["total"] == s["weights"] + s["kv_cache"] + s["activations"] + s["runtime"]
+    (cpu,) = plan["devices"]
+    assert cpu["planned"] == sum(s["total"] for s in plan["stages"]) <= cpu["usable"]
+    log = doomed_server.log_path.read_text()
+    assert "Memory plan of pipeline 'demo'" in log and "of " in log and "usable" in log
+    api = psutil.Process(doomed_server.proc.pid)
+    pss = sum(p.memory_full_info().pss for p in api.children(recursive=True))
+    print(f"stage processes {pss / 2**30:.3f} GiB, planned {cpu['planned'] / 2**30:.3f} GiB")
+    assert 0 < pss <= cpu["planned"], (pss, plan)
 
 
 def test_dead_engine_fails_in_flight_requests_and_health(doomed_server):

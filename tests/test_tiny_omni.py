@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import REFERENCE_KV_BYTES
 from PIL import Image
 
 N_TOKENS = 16
@@ -80,6 +81,7 @@ def test_vllm_thinker_matches_hf_greedy(omni):
     llm = LLM(
         str(folder), dtype="float32", max_model_len=2048, disable_log_stats=True,
         limit_mm_per_prompt={"image": 1, "audio": 1, "video": 1},
+        kv_cache_memory_bytes=REFERENCE_KV_BYTES,
     )
     try:
         outs = llm.generate(

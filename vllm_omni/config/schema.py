@@ -97,6 +97,12 @@ class StageConfig(BaseModel):
     placement: Placement | None = Field(
         default=None, description="Device and memory budget, checked at start-up."
     )
+    weights_prefix: str | None = Field(
+        default=None,
+        description="Name prefix of the checkpoint tensors this stage loads, where stages "
+        "share one checkpoint (Qwen2.5-Omni's 'thinker.'); the memory plan counts only "
+        "those. Default: every tensor of the stage's model.",
+    )
 
     @property
     def keeps_hidden_states(self) -> bool:

@@ -18,13 +18,11 @@ from typing import Any
 
 from vllm import SamplingParams
 from vllm.inputs import EngineInput, PromptType
-from vllm.platforms import current_platform
 from vllm.plugins import load_general_plugins
 from vllm.usage.usage_lib import UsageContext
 
 from vllm_omni.config import PipelineConfig, StageConfig, resolve_pipeline
 from vllm_omni.config.loader import load_function
-from vllm_omni.config.placement import check_placement
 from vllm_omni.config.schema import MODALITY_OF_OUTPUT
 from vllm_omni.engine.ar import ARStage
 from vllm_omni.engine.ar.stage import stage_engine_args
@@ -32,6 +30,7 @@ from vllm_omni.engine.code2wav.stage import Code2WavStage
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.stage import DiffusionStage
 from vllm_omni.errors import StageError, StageStartError
+from vllm_omni.orchestrator.memory import plan_pipeline
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -104,8 +103,11 @@ class AsyncOmniLLM:
         # Once, here: stages start in threads, and vLLM marks plugins loaded before it has
         # run them, so a second thread could build its config before our models register.
         load_general_plugins()
-        # Before any engine starts: a placement that cannot fit fails here, all problems named.
-        check_placement(self.pipeline, model, current_platform.device_type)
+        # Before any engine starts: a plan that cannot fit fails here, all problems named.
+        self.memory_plan = plan_pipeline(self.pipeline, model, engine_kwargs, usage_context,
+                                         cache_config)
+        logger.info("Memory plan of pipeline %r (GiB):\n%s", self.pipeline.name,
+                    self.memory_plan.table())
         self._start_stages(engine_kwargs, usage_context)
 
     def _start_stages(self, engine_kwargs: dict[str, Any], usage_context: UsageContext) -> None:
@@ -122,8 +124,9 @@ class AsyncOmniLLM:
                 return DiffusionStage(stage, self.model, engine_kwargs, self._cache_config)
             if stage.engine == "code2wav":
                 return Code2WavStage(stage, self.model)
+            planned = self.memory_plan.stage(stage.name).engine_args
             return ARStage(
-                stage, stage_engine_args(self.model, stage, engine_kwargs), usage_context
+                stage, stage_engine_args(self.model, stage, engine_kwargs, planned), usage_context
             )
 
         failures: dict[str, BaseException] = {}

@@ -15,7 +15,6 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from vllm_omni.config.loader import load_function
-from vllm_omni.config.placement import ar_placement_args
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.ar import hidden_states, step_inputs
 from vllm_omni.engine.ar.worker import worker_class_path
@@ -27,9 +26,13 @@ _ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
 
 
 def stage_engine_args(
-    model: str, stage: StageConfig, engine_kwargs: dict[str, Any]
+    model: str,
+    stage: StageConfig,
+    engine_kwargs: dict[str, Any],
+    planned: dict[str, Any] | None = None,
 ) -> AsyncEngineArgs:
-    """Engine args of one stage: the stage's YAML args, then the caller's explicit args.
+    """Engine args of one stage: the memory plan's settings, the stage's YAML args, then the
+    caller's explicit args.
 
     The caller's args (CLI flags, OmniLLM kwargs) win, so `--max-model-len` reaches every
     stage; the stage's own `model` wins over the pipeline's model.
@@ -37,9 +40,8 @@ def stage_engine_args(
     unknown = sorted(set(engine_kwargs) - _ENGINE_ARG_NAMES)
     if unknown:
         raise TypeError(f"unknown vLLM engine args: {unknown}")
-    # The placement's budget fills what neither the YAML nor the caller set.
-    placed = ar_placement_args(stage, model)
-    merged = {**placed, **stage.engine_args, **engine_kwargs, "model": stage.model or model}
+    merged = {**(planned or {}), **stage.engine_args, **engine_kwargs,
+              "model": stage.model or model}
     if isinstance(merged.get("hf_overrides"), str):  # 'module:function' from the YAML
         merged["hf_overrides"] = load_function(merged["hf_overrides"])
     if stage.keeps_hidden_states or stage.step_inputs:

@@ -18,16 +18,21 @@ from vllm_omni.outputs import AudioOutput, OmniRequestOutput
 logger = logging.getLogger(__name__)
 
 
+def code2wav_options(config: StageConfig) -> Code2WavOptions:
+    """Options from the stage's YAML `engine_args`, its placement's device and defaults."""
+    options = dict(config.engine_args)
+    if config.placement is not None:
+        options.setdefault("device", config.placement.device)
+    options["defaults"] = {**config.sampling_params, **options.get("defaults", {})}
+    return Code2WavOptions(**options)
+
+
 class Code2WavStage(EngineStage):
     def __init__(self, config: StageConfig, model: str) -> None:
         self.config = config
         self.name = config.name
-        options = dict(config.engine_args)
-        if config.placement is not None:
-            options.setdefault("device", config.placement.device)
-        options["defaults"] = {**config.sampling_params, **options.get("defaults", {})}
         self.engine = AsyncDiffusionEngine(
-            config.model or model, Code2WavOptions(**options), run_code2wav_core,
+            config.model or model, code2wav_options(config), run_code2wav_core,
             "Code2WavEngineCore",
         )
         self.sample_rate: int = self.engine.info["sample_rate"]

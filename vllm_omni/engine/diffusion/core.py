@@ -28,6 +28,8 @@ from vllm_omni.orchestrator.connectors import SharedMemoryConnector
 
 logger = logging.getLogger(__name__)
 
+OFFLOAD_MODES = ("model", "group", "sequential")
+
 
 @dataclass
 class EngineOptions:
@@ -47,7 +49,20 @@ class EngineOptions:
     # Least seconds between two progress outputs of one request: each output wakes the
     # client, which on a small CPU takes time from the denoising threads.
     progress_interval: float = 0.25
+    # Weights kept on the CPU and moved to the GPU as they are needed (diffusers' own
+    # offloading): "model" (one component at a time), "group" (groups of blocks, streamed),
+    # "sequential" (one layer at a time; least memory, slowest). GPU devices only.
+    offload: str | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.offload is not None:
+            if self.offload not in OFFLOAD_MODES:
+                raise ValueError(f"offload must be one of {list(OFFLOAD_MODES)}, "
+                                 f"got {self.offload!r}")
+            if not self.device.startswith("cuda"):
+                raise ValueError(f"offload {self.offload!r} needs a CUDA device; this "
+                                 f"engine runs on {self.device}")
 
 
 @dataclass
@@ -83,7 +98,15 @@ class EngineCore:
             torch.set_num_threads(options.num_threads)
         self.conn = conn
         pipe = DiffusionPipeline.from_pretrained(model, dtype=getattr(torch, options.dtype))
-        pipe.to(options.device)
+        if options.offload == "model":
+            pipe.enable_model_cpu_offload(device=options.device)
+        elif options.offload == "sequential":
+            pipe.enable_sequential_cpu_offload(device=options.device)
+        elif options.offload == "group":
+            pipe.enable_group_offload(onload_device=torch.device(options.device),
+                                      offload_type="leaf_level", use_stream=True)
+        else:
+            pipe.to(options.device)
         self.adapter = adapter_for(pipe)
         self.defaults = options.defaults
         if self.defaults.get("cache") is not None:

@@ -210,6 +210,11 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
         ]
         return JSONResponse({"object": "list", "data": data})
 
+    @app.get("/v1/omni/plan")
+    async def memory_plan() -> JSONResponse:
+        """The memory plan the pipeline started with (bytes per stage and device)."""
+        return JSONResponse(omni.memory_plan.as_dict())
+
     @app.get("/health")
     async def health() -> Response:
         try:
