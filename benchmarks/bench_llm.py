@@ -105,8 +105,11 @@ def run_offline(args: argparse.Namespace) -> dict:
 # -- online -------------------------------------------------------------------------------
 
 
-def start_server(model: str, port: int, omni: bool, log: Path) -> subprocess.Popen:
+def start_server(
+    model: str, port: int, omni: bool, log: Path, extra: list[str] | None = None
+) -> subprocess.Popen:
     flags = [
+        *(extra or []),
         "--port",
         str(port),
         "--host",

@@ -153,10 +153,15 @@ def test_chat_returns_images_and_text_routes_refuse(flux_server):
     assert_same_image(decode(url.partition(",")[2]), want)
     with pytest.raises(openai.BadRequestError, match="does not output text"):
         client.completions.create(model=model, prompt="hi")
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "x"}], stream=True
-        )
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "a green tree"}], stream=True,
+        extra_body={"stage_sampling_params": {"dit": {**STEPS, "seed": 2, "height": 64,
+                                                      "width": 64}}},
+    )
+    parts = [c.choices[0].delta.content for c in stream]
+    assert parts[0] == "" and len(parts) == 2  # the role, then the images in one delta
+    ((streamed_part,),) = parts[1:]
+    assert streamed_part["image_url"]["url"] == url
     metrics = httpx.get(srv.url + "/metrics").text
     assert 'vllm_omni:diffusion_steps_total{stage="dit"}' in metrics
 

@@ -1,4 +1,5 @@
-"""Tiny diffusers pipelines (Flux, SD3, Qwen-Image) with random weights.
+"""Tiny diffusers pipelines (Flux, SD3, Qwen-Image, PixArt-Sigma, Sana, Wan) with random
+weights.
 
 Built from the real component classes, saved with `save_pretrained`, and loaded back through
 `DiffusionPipeline.from_pretrained` like a downloaded model. Tokenizers are character-level
@@ -245,6 +246,93 @@ def build_qwen_image():
     )
 
 
+def build_pixart_sigma():
+    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    t5_tok = _t5_tokenizer()
+    transformer = PixArtTransformer2DModel(
+        sample_size=8,
+        num_layers=2,
+        patch_size=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        in_channels=4,
+        out_channels=8,  # learned sigma: twice the latent channels
+        caption_channels=32,
+        cross_attention_dim=32,
+        norm_type="ada_norm_single",
+        use_additional_conditions=False,
+    )
+    return PixArtSigmaPipeline(
+        tokenizer=t5_tok,
+        text_encoder=_t5(t5_tok, 32),
+        vae=_vae(4, shift=0.0, scale=0.13025),
+        transformer=transformer,
+        scheduler=DPMSolverMultistepScheduler(),
+    )
+
+
+def build_sana():
+    from diffusers import (
+        AutoencoderDC,
+        FlowMatchEulerDiscreteScheduler,
+        SanaPipeline,
+        SanaTransformer2DModel,
+    )
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma2Config, Gemma2Model, GemmaTokenizerFast
+
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>"] + sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = GemmaTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", unk_token="<unk>", padding_side="right")
+    text_encoder = Gemma2Model(Gemma2Config(
+        vocab_size=len(pieces), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    ))
+    transformer = SanaTransformer2DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+        num_layers=2, num_cross_attention_heads=2, cross_attention_head_dim=8,
+        cross_attention_dim=16, caption_channels=32, sample_size=8, patch_size=1,
+    )
+    vae = AutoencoderDC(
+        in_channels=3, latent_channels=4, attention_head_dim=2,
+        encoder_block_types=("ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+        encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)),
+        encoder_layers_per_block=(1, 1), decoder_layers_per_block=[1, 1],
+        downsample_block_type="conv", upsample_block_type="interpolate",
+        decoder_norm_types="rms_norm", decoder_act_fns="silu", scaling_factor=0.41407,
+    )
+    return SanaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                        transformer=transformer,
+                        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+
+
+def build_wan():
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    t5_tok = _t5_tokenizer()
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(t5_tok), d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, decoder_start_token_id=0,
+    ))
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+        out_channels=4, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    )
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True],
+                           latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    return WanPipeline(tokenizer=t5_tok, text_encoder=text_encoder, vae=vae,
+                       transformer=transformer, scheduler=_flow_scheduler(dynamic=False))
+
+
 def build_diffusers(name: str, out_dir: Path, seed: int, dtype: str) -> None:
     torch.manual_seed(seed)
     if name in FLUX_SIZES:
@@ -258,6 +346,12 @@ def build_diffusers(name: str, out_dir: Path, seed: int, dtype: str) -> None:
         pipe = StableDiffusion3Img2ImgPipeline(**build_sd3().components)
     elif name == "qwen-image-tiny":
         pipe = build_qwen_image()
+    elif name == "pixart-sigma-tiny":
+        pipe = build_pixart_sigma()
+    elif name == "sana-tiny":
+        pipe = build_sana()
+    elif name == "wan-tiny":
+        pipe = build_wan()
     else:
         raise ValueError(f"unknown tiny diffusers pipeline {name!r}")
     if dtype != "float32":
@@ -265,4 +359,5 @@ def build_diffusers(name: str, out_dir: Path, seed: int, dtype: str) -> None:
     pipe.save_pretrained(out_dir)
 
 
-DIFFUSERS_MODELS = [*FLUX_SIZES, "sd3-tiny", "sd3-img2img-tiny", "qwen-image-tiny"]
+DIFFUSERS_MODELS = [*FLUX_SIZES, "sd3-tiny", "sd3-img2img-tiny", "qwen-image-tiny",
+                    "pixart-sigma-tiny", "sana-tiny", "wan-tiny"]

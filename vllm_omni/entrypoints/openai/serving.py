@@ -57,6 +57,9 @@ from vllm_omni.entrypoints.openai.speech import SpeechServing
 from vllm_omni.errors import StageError
 from vllm_omni.outputs import AudioOutput, OmniRequestOutput
 
+# What a chat message can carry, by stage output type.
+CHAT_OUTPUTS = {"text", "image", "audio"}
+
 Request = OmniChatCompletionRequest | OmniCompletionRequest
 
 
@@ -167,6 +170,7 @@ class OpenAIServing:
         _reject_unsupported(request)
         if self.renderer is None:
             return await self._chat_image(request, request_id)
+        self._check_chat_answer(request)
         extra = self._audio_params(request)
         request = self._with_system_prompt(request)
         _, engine_inputs = raise_for_error(await self.renderer.render_chat(request))
@@ -178,6 +182,20 @@ class OpenAIServing:
             outputs = await _primed(outputs)
             return self._chat_stream(request, request_id, outputs, prompt_len)
         return await self._chat_full(request, request_id, outputs, prompt_len)
+
+    def _check_chat_answer(self, request: OmniChatCompletionRequest) -> None:
+        """A chat answer carries text, images or audio: refuse a request whose final outputs
+        are none of them before any stage runs."""
+        try:
+            _, returned = self.omni.plan(request.modalities)
+        except ValueError as e:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, str(e), "modalities") from None
+        outputs = sorted({self.omni.pipeline.stage(n).output for n in returned})
+        if not set(outputs) & CHAT_OUTPUTS:
+            raise OmniHTTPError(
+                HTTPStatus.BAD_REQUEST,
+                f"pipeline {self.omni.pipeline.name!r} answers this request with {outputs}; "
+                f"a chat message carries {sorted(CHAT_OUTPUTS)}", "modalities")
 
     def _with_system_prompt(self, request: OmniChatCompletionRequest) -> OmniChatCompletionRequest:
         """The request with the pipeline's system prompt for an output it asks for, when it
@@ -216,37 +234,39 @@ class OpenAIServing:
         """Chat with a diffusion pipeline: the last user message is the prompt, the answer's
         content is the images (as data URLs); `stage_sampling_params` carries the diffusion
         parameters (size, steps, seed, ...)."""
-        if request.stream:
-            raise OmniHTTPError(
-                HTTPStatus.BAD_REQUEST, "image output cannot be streamed; send stream=false",
-                "stream",
-            )
         prompt = chat_image_prompt(request.messages)
         stage = self.images.stage_name()
         overrides = dict(request.stage_sampling_params or {})
         diffusion = {"num_images": request.n or 1, **overrides.pop(stage, {})}
-        out = await self.images.generate_images(prompt, diffusion, request_id, overrides)
-        content = [
-            {"type": "image_url",
-             "image_url": {"url": "data:image/png;base64," + encode_image(img, "png")}}
-            for img in out.images
-        ]
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": request.model or self.model_name,
-            "choices": [{
-                "index": 0,
-                "message": {"role": self.response_role, "content": content},
-                "finish_reason": "stop",
-            }],
-            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-        }
+        work = self.images.generate_images(prompt, diffusion, request_id, overrides)
+        if request.stream:
+            out = await work  # errors in the request become an HTTP error, not a stream event
+            return self._image_stream(request, request_id, out.images)
+        out = await work
+        return self._image_answer(request, request_id, out.images, _usage(0, 0))
+
+    async def _image_stream(self, request, request_id: str, images: list) -> AsyncIterator[str]:
+        """A streamed chat answer of images only: the role, then the images as content
+        parts in one delta (they are made whole, not token by token)."""
+        model, created = request.model or self.model_name, int(time.time())
+        for delta, finish in (({"role": self.response_role, "content": ""}, None),
+                              ({"content": image_parts(images)}, "stop")):
+            yield sse(json.dumps({
+                "id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }))
+        yield sse("[DONE]")
 
     async def _chat_full(self, request, request_id, outputs, prompt_len):
         finals = await _finals(outputs)
-        final = _text_of(finals)
+        if "text" not in finals:  # a pipeline that answers with images only
+            if "image" not in finals:
+                raise OmniHTTPError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                                    f"the pipeline returned {sorted(finals)}, no text or image")
+            return self._image_answer(request, request_id, finals["image"].images,
+                                      _usage(prompt_len, 0))
+        final = finals["text"]
         choices = [
             ChatCompletionResponseChoice(
                 index=c.index,
@@ -262,6 +282,13 @@ class OpenAIServing:
             choices=choices,
             usage=_usage(prompt_len, final.num_generated_tokens),
         )
+        if "image" in finals:  # text and images: one message of content parts
+            body = response.model_dump(exclude_none=True)
+            message = body["choices"][0]["message"]
+            text = message.pop("content", None)
+            message["content"] = ([{"type": "text", "text": text}] if text else []) + (
+                image_parts(finals["image"].images))
+            return body
         if "audio" not in finals:
             return response
         # OpenAI's shape: the spoken answer, with the text as its transcript.
@@ -271,6 +298,21 @@ class OpenAIServing:
                                             transcript=message.pop("content", None))
         message["content"] = None
         return body
+
+    def _image_answer(self, request, request_id: str, images: list, usage: UsageInfo) -> dict:
+        """A chat completion whose message is the images, as data-URL content parts."""
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": request.model or self.model_name,
+            "choices": [{
+                "index": 0,
+                "message": {"role": self.response_role, "content": image_parts(images)},
+                "finish_reason": "stop",
+            }],
+            "usage": usage.model_dump(),
+        }
 
     def _audio_body(self, request, request_id: str, audio: AudioOutput, **fields) -> dict:
         fmt = (request.audio or AudioOutputParams()).format
@@ -317,6 +359,15 @@ class OpenAIServing:
         try:
             pieces = AudioPieces((request.audio or AudioOutputParams()).format in STREAMABLE)
             async for out in outputs:
+                if out.output_type == "image":
+                    if out.finished:
+                        yield sse(json.dumps({
+                            "id": request_id, "object": "chat.completion.chunk",
+                            "created": created, "model": model,
+                            "choices": [{"index": 0,
+                                         "delta": {"content": image_parts(out.images)}}],
+                        }))
+                    continue
                 if out.output_type == "audio":
                     new = pieces.take(out.audio.waveform, out.finished)
                     if new is not None:
@@ -358,7 +409,8 @@ class OpenAIServing:
         _reject_unsupported(request)
         if request.prompt is None:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "'prompt' is required", "prompt")
-        if self.renderer is None:
+        finals = {s.output for s in self.omni.pipeline.stages if s.final_output}
+        if self.renderer is None or "text" not in finals:
             raise OmniHTTPError(
                 HTTPStatus.BAD_REQUEST,
                 f"pipeline {self.omni.pipeline.name!r} does not output text; "
@@ -373,7 +425,7 @@ class OpenAIServing:
             prompt_len = len(engine_input["prompt_token_ids"])
             params = self.sampling_params_list(request, prompt_len)
             sub_id = request_id if len(engine_inputs) == 1 else f"{request_id}-{i}"
-            streams.append(self.omni.generate(engine_input, params, sub_id))
+            streams.append(self.omni.generate(engine_input, params, sub_id, ["text"]))
             prompt_lens.append(prompt_len)
         if request.stream:
             try:
@@ -444,6 +496,13 @@ class OpenAIServing:
                 ).model_dump_json(exclude_unset=True)
             )
         yield sse("[DONE]")
+
+
+def image_parts(images: list) -> list[dict]:
+    """Images as chat content parts (PNG data URLs)."""
+    return [{"type": "image_url",
+             "image_url": {"url": "data:image/png;base64," + encode_image(img, "png")}}
+            for img in images]
 
 
 def new_request_id(prefix: str) -> str:

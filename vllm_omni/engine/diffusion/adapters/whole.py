@@ -29,6 +29,13 @@ class WholeRequestAdapter:
         self.pipe = pipe
         self.accepted = set(inspect.signature(type(pipe).__call__).parameters)
         self.defaults: dict[str, Any] = {}
+        # Video pipelines (Wan) count videos, not images, and return frames.
+        self.per_prompt = ("num_videos_per_prompt" if "num_videos_per_prompt" in self.accepted
+                           else "num_images_per_prompt")
+        # PixArt and Sana snap the size to a table of trained resolutions, then resize the
+        # image; the engine makes the size asked for.
+        self.fixed = ({"use_resolution_binning": False}
+                      if "use_resolution_binning" in self.accepted else {})
 
     def resolve(self, params: DiffusionParams) -> DiffusionParams:
         refused = sorted(
@@ -69,10 +76,11 @@ class WholeRequestAdapter:
     def denoise(self, reqs: list[DiffusionRequest]) -> None:
         p = reqs[0].params
         kwargs = p.model_dump(include=set(_CALL_FIELDS) & self.accepted, exclude_none=True)
+        kwargs.update(self.fixed)
         if len(reqs) == 1:
             r = reqs[0]
-            kwargs.update(prompt=r.prompt, num_images_per_prompt=p.num_images,
-                          generator=torch.Generator().manual_seed(p.seed))
+            kwargs.update(prompt=r.prompt, generator=torch.Generator().manual_seed(p.seed))
+            kwargs[self.per_prompt] = p.num_images
             if r.input_images:
                 kwargs["image"] = r.input_images[0] if len(r.input_images) == 1 else r.input_images
         else:
@@ -80,10 +88,14 @@ class WholeRequestAdapter:
                           generator=[torch.Generator().manual_seed(r.params.seed) for r in reqs])
             if "negative_prompt" in kwargs:
                 kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * len(reqs)
-        images = self.pipe(**kwargs, output_type="np").images
+        result = self.pipe(**kwargs, output_type="np")
+        # A video's frames stand in for its images until videos have an output of their own.
+        images = getattr(result, "images", None)
+        images = result.frames if images is None else images
         start = 0
         for r in reqs:
-            r.images = list(images[start : start + r.params.num_images])
+            made = images[start : start + r.params.num_images]
+            r.images = [frame for item in made for frame in (item if item.ndim == 4 else [item])]
             start += r.params.num_images
             r.step = 1
 
