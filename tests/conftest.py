@@ -194,3 +194,32 @@ def server(tiny_qwen2, tmp_path_factory):
     )
     yield srv
     assert srv.stop(), "processes of the server were still alive after SIGTERM"
+
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package; scripts/test.sh installs it
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium driven by Playwright, with the flags a closed network needs (no
+    background connections to Google's hosts)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--autoplay-policy=no-user-gesture-required"],
+        )
+        yield chromium
+        chromium.close()
+
+
+def screenshot(page, name: str) -> Path:
+    """Save a screenshot of the page under the test run's screenshots folder."""
+    folder = Path(os.environ.get("PYTEST_SCREENSHOTS", "/tmp/vllm-omni-screenshots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path

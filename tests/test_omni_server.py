@@ -7,12 +7,13 @@ import base64
 import io
 import json
 
+import httpx
 import numpy as np
 import openai
 import pytest
 import soundfile
 import torch
-from conftest import ServerProcess
+from conftest import ServerProcess, screenshot
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -284,3 +285,46 @@ def test_bad_speech_requests_are_400(client, kwargs, match):
     request = {"model": model_name(client), "voice": "Ethan", "input": "Hi.", **kwargs}
     with pytest.raises(openai.BadRequestError, match=match):
         client.audio.speech.create(**request)
+
+
+def test_playground_speaks(server, browser):
+    """The playground on a speaking pipeline: a Speech tab with the model's voices, and chat
+    answers that play and can be downloaded."""
+    page = browser.new_page(viewport={"width": 1100, "height": 900})
+    page.goto(server.url + "/")
+    page.get_by_role("tab", name="Speech").click()
+    voices = httpx.get(server.url + "/v1/omni/info").json()["audio"]["voices"]
+    assert len(voices) >= 2
+    assert page.locator("#speech-voice option").all_inner_texts() == voices
+    page.get_by_label("Text to speak").fill("hello")
+    stages = '{"talker": {"max_tokens": 40}}'  # a random talker speaks until its limit
+    page.locator("#speech-stages").fill("{not json")
+    page.get_by_role("button", name="Speak").click()
+    assert "not valid JSON" in page.get_by_role("alert").inner_text()
+    page.locator("#speech-stages").fill('{"nobody": {}}')
+    page.get_by_role("button", name="Speak").click()
+    page.get_by_text("nobody").wait_for()  # the server's 400 names the unknown stage
+    page.locator("#speech-stages").fill(stages)
+    page.get_by_role("button", name="Speak").click()
+    audio = page.locator("#speech-out audio").first
+    audio.wait_for()
+    assert audio.get_attribute("src").startswith("blob:")
+    size = page.evaluate("async () => (await (await fetch("
+                         "document.querySelector('#speech-out audio').src)).blob()).size")
+    assert size > 44  # more than a WAV header
+    screenshot(page, "playground-speech")
+    page.get_by_role("tab", name="Chat").click()
+    assert page.get_by_label("Image", exact=True).is_visible()
+    assert page.get_by_label("Audio (WAV)").is_visible()
+    page.get_by_label("Answer in speech").check()
+    page.get_by_label("Max tokens").fill("8")
+    page.locator("#chat-stages").fill(stages)
+    page.get_by_label("Message").fill("hi")
+    page.get_by_role("button", name="Send").click()
+    page.locator(".msg.assistant audio").wait_for()
+    assert page.locator(".msg.assistant a").get_attribute("download") == "answer.wav"
+    samples = page.evaluate("async () => (await (await fetch(document.querySelector("
+                            "'.msg.assistant audio').src)).blob()).size")
+    assert samples > 44 + 2 * 1000  # the streamed pcm16 pieces, joined into one WAV
+    screenshot(page, "playground-chat-speech")
+    page.close()

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import inspect
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -263,6 +264,9 @@ class AsyncOmniLLM:
         edges = {s.name: asyncio.Queue() for s in stages if s.stream_inputs}
         started: set[str] = set()
         outputs: asyncio.Queue = asyncio.Queue()
+        # Seconds each stage took for this request, filled as stages finish; every output
+        # carries this one dict, so a caller that read the whole request sees all stages.
+        stage_seconds: dict[str, float] = {}
 
         def process(name: str, upstream: dict[str, OmniRequestOutput]) -> Any:
             return self._input_processors[name](upstream, prompt, self.stages[name], params)
@@ -309,12 +313,15 @@ class AsyncOmniLLM:
                         await done[upstream].wait()
                     stage_prompt = process(name, {n: finished[n] for n in stage_cfg.inputs})
                 started.add(name)
+                stage_start = time.perf_counter()
                 if name in keep_hidden:
                     extra["keep_hidden_states"] = keep_hidden[name]
                 async for out in stage.generate(f"{request_id}-{name}", stage_prompt,
                                                 params[name], **extra):
                     out.request_id = request_id
+                    out.metrics["stage_seconds"] = stage_seconds
                     if out.finished:
+                        stage_seconds[name] = round(time.perf_counter() - stage_start, 6)
                         finished[name] = out
                     for edge in streams:
                         edge.offer(out)

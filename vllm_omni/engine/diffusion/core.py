@@ -127,6 +127,7 @@ class EngineCore:
             "pipeline": type(a.pipe).__name__,
             "family": a.family,
             "step_level": a.step_level,
+            "takes_images": a.takes_images,
             "defaults": a.defaults,
         }
 

@@ -35,6 +35,11 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         "the first/last blocks, skip the middle). Requests may override it.",
     )
     parser.add_argument(
+        "--no-playground",
+        action="store_true",
+        help="Do not serve the web playground at / (the API stays as it is).",
+    )
+    parser.add_argument(
         "--cache-config",
         default=None,
         help='JSON of cache settings, e.g. \'{"threshold": 0.1, "warmup_steps": 2}\' '

@@ -11,17 +11,20 @@ import time
 from argparse import Namespace
 from collections.abc import AsyncIterator, Awaitable
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 import prometheus_client
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
 from vllm_omni.entrypoints.openai.images import ImageGenerationRequest
+from vllm_omni.entrypoints.openai.info import pipeline_info
 from vllm_omni.entrypoints.openai.protocol import (
     OmniChatCompletionRequest,
     OmniCompletionRequest,
@@ -33,6 +36,9 @@ from vllm_omni.entrypoints.openai.serving import OpenAIServing, error_status, ne
 from vllm_omni.entrypoints.openai.speech import SpeechRequest
 
 logger = logging.getLogger(__name__)
+
+# The web playground served at / (static files, no build step, nothing fetched from outside).
+PLAYGROUND = Path(__file__).parent / "playground"
 
 REQUESTS = prometheus_client.Counter(
     "vllm_omni:http_requests", "Finished API requests", ["endpoint", "status"]
@@ -114,6 +120,7 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 
 def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
     images = serving.images
+    info = pipeline_info(serving.omni, serving.served_model_names)
     app = FastAPI(title="vllm-omni", docs_url=None if args.disable_fastapi_docs else "/docs")
     omni = serving.omni
     if args.allowed_origins:
@@ -209,6 +216,18 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
             for name in serving.served_model_names
         ]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/omni/info")
+    async def omni_info() -> JSONResponse:
+        """What the pipeline does: its stages, outputs, inputs, voices and image defaults."""
+        return JSONResponse(info)
+
+    if not getattr(args, "no_playground", False):
+        app.mount("/playground", StaticFiles(directory=PLAYGROUND, html=True), "playground")
+
+        @app.get("/", include_in_schema=False)
+        async def playground() -> Response:
+            return FileResponse(PLAYGROUND / "index.html")
 
     @app.get("/v1/omni/plan")
     async def memory_plan() -> JSONResponse:

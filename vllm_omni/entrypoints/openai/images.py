@@ -158,6 +158,7 @@ class ImageServing:
             "size": f"{out.images[0].width}x{out.images[0].height}" if out.images else None,
             "seed": out.metrics.get("seed"),
             "cache": out.metrics.get("cache"),
+            "stage_seconds": dict(out.metrics.get("stage_seconds") or {}),
         }
 
     async def generations(self, request: ImageGenerationRequest, request_id: str) -> dict:

@@ -243,7 +243,8 @@ class OpenAIServing:
             out = await work  # errors in the request become an HTTP error, not a stream event
             return self._image_stream(request, request_id, out.images)
         out = await work
-        return self._image_answer(request, request_id, out.images, _usage(0, 0))
+        return self._image_answer(request, request_id, out.images, _usage(0, 0),
+                                  _stage_seconds([out]))
 
     async def _image_stream(self, request, request_id: str, images: list) -> AsyncIterator[str]:
         """A streamed chat answer of images only: the role, then the images as content
@@ -260,12 +261,13 @@ class OpenAIServing:
 
     async def _chat_full(self, request, request_id, outputs, prompt_len):
         finals = await _finals(outputs)
+        seconds = _stage_seconds(finals.values())
         if "text" not in finals:  # a pipeline that answers with images only
             if "image" not in finals:
                 raise OmniHTTPError(HTTPStatus.INTERNAL_SERVER_ERROR,
                                     f"the pipeline returned {sorted(finals)}, no text or image")
             return self._image_answer(request, request_id, finals["image"].images,
-                                      _usage(prompt_len, 0))
+                                      _usage(prompt_len, 0), seconds)
         final = finals["text"]
         choices = [
             ChatCompletionResponseChoice(
@@ -276,32 +278,29 @@ class OpenAIServing:
             )
             for c in final.completions
         ]
-        response = ChatCompletionResponse(
+        body = ChatCompletionResponse(
             id=request_id,
             model=request.model or self.model_name,
             choices=choices,
             usage=_usage(prompt_len, final.num_generated_tokens),
-        )
+        ).model_dump(exclude_none=True)
+        body["stage_seconds"] = seconds
+        message = body["choices"][0]["message"]
         if "image" in finals:  # text and images: one message of content parts
-            body = response.model_dump(exclude_none=True)
-            message = body["choices"][0]["message"]
             text = message.pop("content", None)
             message["content"] = ([{"type": "text", "text": text}] if text else []) + (
                 image_parts(finals["image"].images))
-            return body
-        if "audio" not in finals:
-            return response
-        # OpenAI's shape: the spoken answer, with the text as its transcript.
-        body = response.model_dump(exclude_none=True)
-        message = body["choices"][0]["message"]
-        message["audio"] = self._audio_body(request, request_id, finals["audio"].audio,
-                                            transcript=message.pop("content", None))
-        message["content"] = None
+        elif "audio" in finals:  # OpenAI's shape: the spoken answer, the text its transcript
+            message["audio"] = self._audio_body(request, request_id, finals["audio"].audio,
+                                                transcript=message.pop("content", None))
+            message["content"] = None
         return body
 
-    def _image_answer(self, request, request_id: str, images: list, usage: UsageInfo) -> dict:
+    def _image_answer(self, request, request_id: str, images: list, usage: UsageInfo,
+                      seconds: dict[str, float]) -> dict:
         """A chat completion whose message is the images, as data-URL content parts."""
         return {
+            "stage_seconds": seconds,
             "id": request_id,
             "object": "chat.completion",
             "created": int(time.time()),
@@ -356,9 +355,11 @@ class OpenAIServing:
                 "model": model, "choices": [{"index": 0, "delta": {"audio": audio}}],
             }))
 
+        seconds: dict[str, float] = {}
         try:
             pieces = AudioPieces((request.audio or AudioOutputParams()).format in STREAMABLE)
             async for out in outputs:
+                seconds = out.metrics.get("stage_seconds", seconds)
                 if out.output_type == "image":
                     if out.finished:
                         yield sse(json.dumps({
@@ -400,6 +401,7 @@ class OpenAIServing:
             return
         if include_usage:
             yield chunk([], _usage(prompt_len, generated))
+        yield _seconds_chunk(request_id, created, model, seconds)
         yield sse("[DONE]")
 
     # -- completions ---------------------------------------------------------------------
@@ -496,6 +498,20 @@ class OpenAIServing:
                 ).model_dump_json(exclude_unset=True)
             )
         yield sse("[DONE]")
+
+
+def _stage_seconds(outputs) -> dict[str, float]:
+    """Seconds per stage of a finished request (every output shares the orchestrator's dict)."""
+    for out in outputs:
+        return dict(out.metrics.get("stage_seconds") or {})
+    return {}
+
+
+def _seconds_chunk(request_id: str, created: int, model: str, seconds: dict) -> str:
+    """The stream's last chunk before [DONE]: no choices, the stages' seconds (extension)."""
+    return sse(json.dumps({"id": request_id, "object": "chat.completion.chunk",
+                           "created": created, "model": model, "choices": [],
+                           "stage_seconds": seconds}))
 
 
 def image_parts(images: list) -> list[dict]:

@@ -40,6 +40,10 @@ MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "flac": "audio/flac",
                "pcm": "audio/pcm", "pcm16": "audio/pcm"}
 
 
+# Seconds each stage took, as JSON: the file answer has no body field to carry them.
+STAGE_SECONDS_HEADER = "X-Stage-Seconds"
+
+
 class SpeechRequest(BaseModel):
     """OpenAI's speech request, plus `stage_sampling_params` (per-stage overrides)."""
 
@@ -82,7 +86,8 @@ class SpeechServing:
             final = out
         audio = final.audio
         data = encode_audio(audio.waveform, audio.sample_rate, request.response_format)
-        return Response(data, media_type=media_type)
+        seconds = json.dumps(final.metrics.get("stage_seconds") or {})
+        return Response(data, media_type=media_type, headers={STAGE_SECONDS_HEADER: seconds})
 
     def _check(self, request: SpeechRequest):
         stage = self.omni.audio_stage

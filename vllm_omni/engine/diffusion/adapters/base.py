@@ -38,6 +38,7 @@ class StepAdapter:
 
     family: str = ""
     step_level = True
+    takes_images = False  # text to image; an edit adapter would take input images
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe

@@ -56,6 +56,10 @@ class WholeRequestAdapter:
                 "(no step-level adapter), so the engine never sees its steps"
             )
 
+    @property
+    def takes_images(self) -> bool:
+        return "image" in self.accepted
+
     def check_inputs(self, images: list) -> None:
         if images and "image" not in self.accepted:
             raise ValueError(f"{type(self.pipe).__name__} takes no input image")
