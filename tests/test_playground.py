@@ -23,15 +23,21 @@ def demo(tmp_path_factory):
     assert srv.stop(), "processes of the server were still alive after SIGTERM"
 
 
-@pytest.fixture
-def page(browser, demo):
-    context = browser.new_context(viewport={"width": 1100, "height": 900})
+def open_page(browser, demo, width: int = 1100, height: int = 900):
+    context = browser.new_context(viewport={"width": width, "height": height})
     page = context.new_page()
     page.goto(demo.url + "/")
     # The key is asked for (the info route needs it) and sent from then on.
     page.get_by_label("This server needs an API key").fill(KEY)
     page.get_by_role("button", name="Connect").click()
     page.get_by_role("tab", name="Chat").wait_for()
+    assert not page.get_by_label("This server needs an API key").is_visible()
+    return context, page
+
+
+@pytest.fixture
+def page(browser, demo):
+    context, page = open_page(browser, demo)
     yield page
     context.close()
 
@@ -118,11 +124,7 @@ def test_a_bad_parameter_shows_the_servers_error(page, demo):
 
 
 def test_phone_width(browser, demo):
-    context = browser.new_context(viewport={"width": 390, "height": 844})
-    page = context.new_page()
-    page.goto(demo.url + "/")
-    page.get_by_label("This server needs an API key").fill(KEY)
-    page.get_by_role("button", name="Connect").click()
+    context, page = open_page(browser, demo, 390, 844)
     page.get_by_role("tab", name="Images").click()
     assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
     screenshot(page, "playground-phone")
