@@ -62,6 +62,24 @@ def assert_same_image(got: Image.Image, want: Image.Image) -> None:
     assert np.abs(a - b).max() <= 1
 
 
+def test_every_endpoint_checks_the_model_and_the_stage_names(flux_server):
+    folder, srv = flux_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.images.generate(model="nope", prompt="a cat", extra_body=STEPS)
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64)).save(png, format="PNG")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.images.edit(model="nope", image=("in.png", png.getvalue()), prompt="a cat")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match=r"unknown stages \['nope'\]"):
+        client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"stage_sampling_params": {"nope": {"seed": 1}}})
+
+
 def test_images_generate_equals_diffusers(flux_server):
     folder, srv = flux_server
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")

@@ -201,6 +201,13 @@ def test_text_only_by_default(client, hf_plain_text):
     ({"modalities": ["text", "audio"], "audio": {"format": "ogg"}}, "not supported"),
     ({"modalities": ["audio"]}, "must also"),
     ({"modalities": ["text", "audio"], "n": 2}, "n=1"),
+    # A value of the wrong type for a stage that is not the text stage: a 400, not a 500.
+    ({"modalities": ["text", "audio"],
+      "extra_body": {"stage_sampling_params": {"talker": {"max_tokens": "many"}}}},
+     "stage 'talker': invalid sampling params"),
+    ({"modalities": ["text", "audio"],
+      "extra_body": {"stage_sampling_params": {"talker": {"bogus": 1}}}},
+     r"stage 'talker': unknown sampling params \['bogus'\]"),
 ])
 def test_bad_audio_requests_are_400(client, kwargs, match):
     with pytest.raises(openai.BadRequestError, match=match):

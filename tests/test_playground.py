@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 
 import httpx
 import pytest
@@ -132,10 +133,14 @@ def test_phone_width(browser, demo):
 
 
 def test_no_playground_flag(tiny_qwen2, tmp_path):
+    before = set(os.listdir("/dev/shm"))
     srv = ServerProcess([tiny_qwen2, "--no-playground", "--max-model-len", "1024"],
                         tmp_path / "server.log")
     try:
         assert httpx.get(srv.url + "/").status_code == 404
         assert httpx.get(srv.url + "/v1/omni/info").json()["outputs"] == ["text"]
+        assert set(os.listdir("/dev/shm")) > before  # vLLM's engine queues live there
     finally:
         assert srv.stop()
+    # Nothing of the server is left in the shared-memory filesystem once it has stopped.
+    assert set(os.listdir("/dev/shm")) <= before

@@ -102,7 +102,13 @@ class ARStage(EngineStage):
         """SamplingParams for one request: given ones as they are, a dict over the defaults."""
         if isinstance(given, SamplingParams):
             return given
-        return SamplingParams.from_optional(**{**self.default_sampling, **(given or {})})
+        unknown = sorted(set(given or {}) - set(SamplingParams.__struct_fields__))
+        if unknown:
+            raise ValueError(f"stage {self.name!r}: unknown sampling params {unknown}")
+        try:
+            return SamplingParams.from_optional(**{**self.default_sampling, **(given or {})})
+        except TypeError as e:  # a value of the wrong type, from the request
+            raise ValueError(f"stage {self.name!r}: invalid sampling params: {e}") from None
 
     async def render(self, prompts: list[PromptType | EngineInput]) -> list[EngineInput]:
         """Tokenize (and process multimodal data of) prompts in one batch, as vLLM's LLM does."""

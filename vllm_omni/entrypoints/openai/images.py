@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import time
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, Literal
 
@@ -14,7 +15,7 @@ from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
-from vllm_omni.entrypoints.openai.protocol import OmniHTTPError, parse_model
+from vllm_omni.entrypoints.openai.protocol import OmniHTTPError, check_stage_names, parse_model
 from vllm_omni.outputs import OmniRequestOutput
 
 _PIL_FORMAT = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
@@ -118,8 +119,9 @@ def chat_image_prompt(messages: list[Any]) -> Any:
 
 
 class ImageServing:
-    def __init__(self, omni: AsyncOmniLLM) -> None:
+    def __init__(self, omni: AsyncOmniLLM, check_model: Callable[[str | None], None]) -> None:
         self.omni = omni
+        self.check_model = check_model
 
     def stage_name(self) -> str:
         stage = self.omni.image_stage
@@ -135,6 +137,7 @@ class ImageServing:
     ) -> OmniRequestOutput:
         """Run the pipeline for its image output; `other` holds other stages' params."""
         name = self.stage_name()
+        check_stage_names(other or {}, [s.name for s in self.omni.pipeline.stages])
         params = [
             diffusion if s.name == name else (other or {}).get(s.name)
             for s in self.omni.pipeline.stages
@@ -162,6 +165,7 @@ class ImageServing:
         }
 
     async def generations(self, request: ImageGenerationRequest, request_id: str) -> dict:
+        self.check_model(request.model)
         out = await self.generate_images(request.prompt, request.diffusion_params(), request_id)
         return self._response(request, out)
 
@@ -175,6 +179,7 @@ class ImageServing:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "mask: masked edits are not supported",
                                 "mask")
         request = parse_model(ImageGenerationRequest, {k: v[-1] for k, v in form.items()})
+        self.check_model(request.model)
         images = [decode_image(data, "image") for data in uploads]
         prompt = {"prompt": request.prompt, "multi_modal_data": {"image": images}}
         out = await self.generate_images(prompt, request.diffusion_params(), request_id)

@@ -97,7 +97,7 @@ class OpenAIServing:
         self.omni = omni
         self.served_model_names = served_model_names
         self.response_role = response_role
-        self.images = ImageServing(omni)
+        self.images = ImageServing(omni, self.check_model)
         entry = omni.entry_stage
         # Pipelines without an AR entry stage (a diffusion model) take prompts unrendered.
         self.renderer = None
@@ -605,7 +605,7 @@ def error_status(e: BaseException) -> tuple[HTTPStatus, str, str | None]:
         return status, f"stage {e.stage!r}: {message}", param
     if isinstance(e, VLLMValidationError):
         return HTTPStatus.BAD_REQUEST, str(e), getattr(e, "parameter", None)
-    if isinstance(e, ValueError | TypeError):
+    if isinstance(e, ValueError):  # validation; a TypeError is a bug, so a 500
         return HTTPStatus.BAD_REQUEST, str(e), None
     if isinstance(e, EngineDeadError):
         return HTTPStatus.SERVICE_UNAVAILABLE, "the engine is not running: " + str(e), None
