@@ -35,6 +35,31 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         "the first/last blocks, skip the middle). Requests may override it.",
     )
     parser.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=None,
+        help="Most API requests in flight; beyond it a request gets 503 with Retry-After at "
+        "once (default: no limit).",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="Seconds a request may take; past it the request is stopped in every stage and "
+        "answered 504 (an error event in a stream). Default: no limit.",
+    )
+    parser.add_argument(
+        "--max-request-body-mb",
+        type=float,
+        default=64.0,  # room for a few images or a minute of audio as base64
+        help="Largest request body accepted (MiB); a larger one is a 413.",
+    )
+    parser.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="With --api-key, serve /metrics without the key (for a scraper).",
+    )
+    parser.add_argument(
         "--no-playground",
         action="store_true",
         help="Do not serve the web playground at / (the API stays as it is).",

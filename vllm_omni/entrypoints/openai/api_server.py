@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import time
 from argparse import Namespace
 from collections.abc import AsyncIterator, Awaitable
@@ -25,10 +24,16 @@ from pydantic import BaseModel
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
 from vllm_omni.entrypoints.openai.images import ImageGenerationRequest
 from vllm_omni.entrypoints.openai.info import pipeline_info
+from vllm_omni.entrypoints.openai.limits import (
+    AdmissionMiddleware,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+)
 from vllm_omni.entrypoints.openai.protocol import (
     OmniChatCompletionRequest,
     OmniCompletionRequest,
     OmniHTTPError,
+    error_body,
     error_response,
     parse_model,
 )
@@ -43,27 +48,12 @@ PLAYGROUND = Path(__file__).parent / "playground"
 REQUESTS = prometheus_client.Counter(
     "vllm_omni:http_requests", "Finished API requests", ["endpoint", "status"]
 )
+TIMED_OUT = prometheus_client.Counter(
+    "vllm_omni:requests_timed_out", "API requests stopped at --request-timeout"
+)
 LATENCY = prometheus_client.Histogram(
     "vllm_omni:http_request_seconds", "Time from request to last byte", ["endpoint"]
 )
-
-
-class APIKeyMiddleware:
-    """Bearer-token check on /v1 routes, as plain ASGI: BaseHTTPMiddleware would hide client
-    disconnects from streaming responses (and adds a task per request)."""
-
-    def __init__(self, app, keys: list[str]) -> None:
-        self.app = app
-        self.expected = [f"Bearer {k}".encode() for k in keys]
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not any(secrets.compare_digest(given, k) for k in self.expected):
-                response = error_response(HTTPStatus.UNAUTHORIZED, "invalid or missing API key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 async def _parse_json(request: Request, model: type[BaseModel]) -> Any:
@@ -83,6 +73,8 @@ async def _parse_form(request: Request) -> dict[str, list[Any]]:
     """A multipart form as {field: [values]}, uploaded files read into bytes."""
     try:
         form = await request.form()
+    except OmniHTTPError:  # a body over the size limit
+        raise
     except Exception as e:  # malformed multipart bodies raise several kinds of errors
         raise OmniHTTPError(
             HTTPStatus.BAD_REQUEST, f"request body is not a valid form: {e}"
@@ -132,9 +124,14 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
             allow_headers=args.allowed_headers,
         )
 
+    # The last added runs first: the key, then the body's size, then admission.
+    app.add_middleware(AdmissionMiddleware, limit=args.max_pending_requests)
+    app.add_middleware(BodyLimitMiddleware, limit=int(args.max_request_body_mb * (1 << 20)))
     api_keys = [k for k in (args.api_key or []) if k]
     if api_keys:
-        app.add_middleware(APIKeyMiddleware, keys=api_keys)
+        app.add_middleware(APIKeyMiddleware, keys=api_keys,
+                           public_metrics=args.public_metrics)
+    timeout = args.request_timeout
 
     async def serve(
         request: Request, endpoint: str, body_type: type[BaseModel] | None, id_prefix: str, method
@@ -152,9 +149,9 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
             return await method(body, rid)
 
         start = time.perf_counter()
-        await request.body()  # read it now: the disconnect watcher also reads from the socket
         try:
-            result = await _cancel_on_disconnect(request, handler())
+            await request.body()  # now: the disconnect watcher also reads from the socket
+            result = await _cancel_on_disconnect(request, _within(handler(), timeout))
         except Exception as e:
             status, message, param = error_status(e)
             if status >= 500:
@@ -169,7 +166,7 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
             return result
         if isinstance(result, AsyncIterator):
             return StreamingResponse(
-                _observed(result, endpoint, start), media_type="text/event-stream"
+                _observed(result, endpoint, start, timeout), media_type="text/event-stream"
             )
         REQUESTS.labels(endpoint, "200").inc()
         LATENCY.labels(endpoint).observe(time.perf_counter() - start)
@@ -222,7 +219,7 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
         """What the pipeline does: its stages, outputs, inputs, voices and image defaults."""
         return JSONResponse(info)
 
-    if not getattr(args, "no_playground", False):
+    if not args.no_playground:
         app.mount("/playground", StaticFiles(directory=PLAYGROUND, html=True), "playground")
 
         @app.get("/", include_in_schema=False)
@@ -261,10 +258,46 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
     return app
 
 
-async def _observed(stream: AsyncIterator[str], endpoint: str, start: float) -> AsyncIterator[str]:
-    status = "200"
+def _timed_out(seconds: float) -> OmniHTTPError:
+    TIMED_OUT.inc()
+    return OmniHTTPError(HTTPStatus.GATEWAY_TIMEOUT,
+                         f"the request took longer than {seconds:g} s (--request-timeout); "
+                         "it was stopped in every stage")
+
+
+async def _within(work: Awaitable[Any], seconds: float | None) -> Any:
+    """`work`, cancelled (which aborts the request in every stage) after `seconds`."""
+    if seconds is None:
+        return await work
     try:
-        async for item in stream:
+        return await asyncio.wait_for(work, seconds)
+    except TimeoutError:
+        raise _timed_out(seconds) from None
+
+
+async def _observed(
+    stream: AsyncIterator[str], endpoint: str, start: float, timeout: float | None
+) -> AsyncIterator[str]:
+    """The SSE stream as it goes out: counted in the metrics, and ended with an error event
+    when it runs past the request's deadline."""
+    status = "200"
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout - (time.perf_counter() - start)
+    try:
+        while True:
+            try:
+                if deadline is None:
+                    item = await anext(stream)
+                else:  # each wait bounded: no timeout spans a yield
+                    item = await asyncio.wait_for(anext(stream), max(deadline - loop.time(), 0))
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                status = "504"
+                error = _timed_out(timeout)
+                yield "data: " + json.dumps(error_body(error.status, error.message)) + "\n\n"
+                yield "data: [DONE]\n\n"
+                break
             yield item
     except BaseException:
         status = "499"  # the client went away mid-stream; closing `stream` aborted the request

@@ -1,0 +1,146 @@
+"""Under load, past its limits and without the key, the server answers every request (a
+success, or an OpenAI-shaped 4xx / 503 / 504) and is left as it was."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+from conftest import ServerProcess
+
+from vllm_omni.testing.load import failures, run_mix, server_state, summary
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+KEY = "limits-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TIMEOUT = 3
+LONG = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000,
+        "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_qwen2, tmp_path_factory):
+    srv = ServerProcess([tiny_qwen2, "--api-key", KEY, "--max-pending-requests", "3",
+                         "--request-timeout", str(TIMEOUT), "--max-request-body-mb", "1"],
+                        tmp_path_factory.mktemp("limits") / "server.log")
+    yield srv
+    assert srv.stop(), "processes of the server were still alive after SIGTERM"
+
+
+def metric(srv, name: str, headers: dict | None = AUTH) -> float:
+    text = httpx.get(srv.url + "/metrics", headers=headers).text
+    found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def wait_idle(srv, seconds: float = 10) -> None:
+    """Until the engine holds no request: what an abort in every stage leaves."""
+    deadline = time.monotonic() + seconds
+    while metric(srv, "vllm:num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(srv, "vllm:num_requests_running") == 0
+
+
+def test_beyond_the_limit_is_503_at_once_and_streams_end_at_the_timeout(limited):
+    async def scenario():
+        async with httpx.AsyncClient(base_url=limited.url, headers=AUTH, timeout=60) as c:
+            async def long_stream():
+                events = []
+                async with c.stream("POST", "/v1/chat/completions",
+                                    json={**LONG, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line)
+                return events
+
+            streams = [asyncio.create_task(long_stream()) for _ in range(3)]
+            await asyncio.sleep(1.0)  # all three admitted and streaming
+            start = time.perf_counter()
+            refused = await c.post("/v1/chat/completions", json=LONG)
+            refused_in = time.perf_counter() - start
+            return await asyncio.gather(*streams), refused, refused_in
+
+    busy_before = metric(limited, "vllm_omni:requests_refused_total")
+    events, refused, refused_in = asyncio.run(scenario())
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert "--max-pending-requests" in refused.json()["error"]["message"]
+    assert refused_in < 2
+    for stream in events:  # cut at the deadline, with an error event, then [DONE]
+        assert stream[-1] == "data: [DONE]"
+        assert f"took longer than {TIMEOUT} s" in stream[-2]
+    assert metric(limited, "vllm_omni:requests_refused_total") == busy_before + 1
+    assert metric(limited, "vllm_omni:requests_timed_out_total") >= 3
+    wait_idle(limited)
+    assert metric(limited, "vllm_omni:requests_in_flight") == 0
+
+
+def test_a_request_past_the_timeout_is_504_and_stopped(limited):
+    start = time.perf_counter()
+    r = httpx.post(limited.url + "/v1/chat/completions", json=LONG, headers=AUTH, timeout=60)
+    assert r.status_code == 504, r.text
+    assert "stopped in every stage" in r.json()["error"]["message"]
+    assert time.perf_counter() - start < TIMEOUT + 2
+    wait_idle(limited)
+
+
+def test_a_body_over_the_limit_is_413(limited):
+    big = {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    r = httpx.post(limited.url + "/v1/chat/completions", json=big, headers=AUTH, timeout=30)
+    assert r.status_code == 413 and "limit of 1048576 bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit is found while reading
+        for _ in range(40):
+            yield b"x" * 65536
+
+    r = httpx.post(limited.url + "/v1/images/edits", content=chunks(), timeout=30,
+                   headers={**AUTH, "Content-Type": "multipart/form-data; boundary=b"})
+    assert r.status_code == 413
+    assert httpx.get(limited.url + "/health").status_code == 200
+
+
+def test_every_route_but_health_needs_the_key(limited):
+    spec = httpx.get(limited.url + "/openapi.json", headers=AUTH).json()
+    routes = [(method, path) for path, item in spec["paths"].items() for method in item]
+    assert ("post", "/v1/chat/completions") in routes and ("get", "/v1/omni/plan") in routes
+    for method, path in routes:
+        status = httpx.request(method, limited.url + path.replace("{", "").replace("}", ""),
+                               timeout=30).status_code
+        assert status == (200 if path == "/health" else 401), (method, path)
+    for path in ("/openapi.json", "/metrics", "/docs"):
+        assert httpx.get(limited.url + path).status_code == 401, path
+    assert httpx.get(limited.url + "/v1/models",
+                     headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+@pytest.fixture(scope="module")
+def demo_under_load(tmp_path_factory):
+    srv = ServerProcess(["--max-pending-requests", "24"],
+                        tmp_path_factory.mktemp("load") / "server.log")
+    yield srv
+    assert srv.stop(), "processes of the server were still alive after SIGTERM"
+
+
+def test_a_mix_of_40_clients_is_all_answered_and_leaves_nothing(demo_under_load):
+    srv = demo_under_load
+    before = server_state(srv.proc.pid)
+    outcomes = asyncio.run(run_mix(srv.url, clients=40, requests=160, hangup_share=0.2,
+                                   seed=1, timeout=180))
+    report = summary(outcomes)
+    print(report)
+    assert not failures(outcomes), failures(outcomes)[:5]
+    assert set(report) == {"chat", "chat_stream", "completion", "image"}
+    ok = sum(r["results"].get("ok", 0) for r in report.values())
+    assert ok >= len(outcomes) // 2  # most are served, not refused
+    assert any(o.result == "hangup" for o in outcomes)
+    time.sleep(2)  # hung-up requests drain
+    after = server_state(srv.proc.pid)
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert after["processes"] == before["processes"]
+    assert after["segments"] == [] and before["segments"] == []
+    assert after["rss"] < before["rss"] * 1.25, (before["rss"], after["rss"])
+    assert metric(srv, "vllm_omni:requests_in_flight", None) == 0
