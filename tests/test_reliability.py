@@ -4,6 +4,7 @@ success, or an OpenAI-shaped 4xx / 503 / 504) and is left as it was."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -106,6 +107,20 @@ def test_a_body_over_the_limit_is_413(limited):
 def test_every_route_but_health_needs_the_key(limited):
     spec = httpx.get(limited.url + "/openapi.json", headers=AUTH).json()
     routes = [(method, path) for path, item in spec["paths"].items() for method in item]
+    # The real request bodies, extension fields included, with their shared parts resolvable.
+    def fields(path: str, kind: str = "application/json") -> set[str]:
+        body = spec["paths"][path]["post"]["requestBody"]["content"][kind]["schema"]
+        return set(body["properties"])
+
+    assert {"messages", "stage_sampling_params", "modalities", "audio"} <= fields(
+        "/v1/chat/completions")
+    assert {"prompt", "stage_sampling_params"} <= fields("/v1/completions")
+    assert {"prompt", "size", "num_inference_steps", "seed", "cache"} <= fields(
+        "/v1/images/generations")
+    assert {"input", "voice", "stage_sampling_params"} <= fields("/v1/audio/speech")
+    assert {"image", "prompt"} <= fields("/v1/images/edits", "multipart/form-data")
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(spec)))
+    assert refs <= set(spec["components"]["schemas"])
     assert ("post", "/v1/chat/completions") in routes and ("get", "/v1/omni/plan") in routes
     for method, path in routes:
         status = httpx.request(method, limited.url + path.replace("{", "").replace("}", ""),

@@ -110,6 +110,42 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
+JSON_BODIES = {
+    "/v1/chat/completions": OmniChatCompletionRequest,
+    "/v1/completions": OmniCompletionRequest,
+    "/v1/images/generations": ImageGenerationRequest,
+    "/v1/audio/speech": SpeechRequest,
+}
+EDIT_FORM = {"type": "object", "required": ["image", "prompt"], "properties": {
+    "image": {"type": "string", "format": "binary"}, "prompt": {"type": "string"},
+    "model": {"type": "string"}, "n": {"type": "integer"}, "size": {"type": "string"},
+    "seed": {"type": "integer"}, "num_inference_steps": {"type": "integer"},
+    "strength": {"type": "number"}, "negative_prompt": {"type": "string"}}}
+
+
+def describe_bodies(app: FastAPI) -> None:
+    """Put each route's real request body in /openapi.json: the handlers read the body
+    themselves (to answer OpenAI-shaped errors), so FastAPI cannot see their models."""
+    from fastapi.openapi.utils import get_openapi
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            shared = spec.setdefault("components", {}).setdefault("schemas", {})
+            bodies = {path: ("application/json", model.model_json_schema(
+                ref_template="#/components/schemas/{model}")) for path, model in
+                JSON_BODIES.items()}
+            bodies["/v1/images/edits"] = ("multipart/form-data", EDIT_FORM)
+            for path, (kind, schema) in bodies.items():
+                shared.update(schema.pop("$defs", {}))
+                spec["paths"][path]["post"]["requestBody"] = {
+                    "required": True, "content": {kind: {"schema": schema}}}
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = build
+
+
 def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
     images = serving.images
     info = pipeline_info(serving.omni, serving.served_model_names)
@@ -255,6 +291,7 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
             HTTPStatus.METHOD_NOT_ALLOWED, f"{request.method} not allowed on {request.url.path}"
         )
 
+    describe_bodies(app)
     return app
 
 
