@@ -30,6 +30,9 @@ def test_greedy_tokens_equal_vllm(omni_llm, vllm_llm):
         assert o.token_ids == list(r.outputs[0].token_ids)
         assert o.text == r.outputs[0].text
         assert len(o.token_ids) == 24
+        # Read as a vLLM user reads a RequestOutput.
+        assert [c.text for c in o.outputs] == [c.text for c in r.outputs]
+        assert list(o.outputs[0].token_ids) == list(r.outputs[0].token_ids)
 
 
 def test_default_sampling_and_seeded_sampling_equal_vllm(omni_llm, vllm_llm):
@@ -48,7 +51,7 @@ def test_n_choices(omni_llm):
     (out,) = omni_llm.generate(
         PROMPTS[0], SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=7)
     )
-    assert sorted(c.index for c in out.completions) == [0, 1, 2]
+    assert sorted(c.index for c in out.outputs) == [0, 1, 2]
 
 
 def test_wrong_number_of_stage_params_is_an_error(omni_llm):

@@ -200,4 +200,4 @@ stages:
         blocks = config.cache_config.num_gpu_blocks
         assert blocks == planned.kv_cache // (per_token * config.cache_config.block_size)
         (out,) = llm.generate(["Hello"], use_tqdm=False)
-        assert out.completions
+        assert out.outputs

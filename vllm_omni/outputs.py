@@ -26,7 +26,7 @@ class OmniRequestOutput:
 
     Which fields are set follows the stage's `output` type in the pipeline config:
 
-    - ``text`` / ``tokens``: ``completions`` holds vLLM's ``CompletionOutput`` per choice
+    - ``text`` / ``tokens``: ``outputs`` holds vLLM's ``CompletionOutput`` per choice
       (text, token_ids, finish_reason, logprobs). While streaming (``RequestOutputKind.DELTA``)
       each output carries only the new text and tokens; otherwise the whole text so far.
     - ``image``: ``images`` holds PIL images (one per requested image) and
@@ -37,9 +37,10 @@ class OmniRequestOutput:
       says whether all codes had arrived when it was made.
     - ``latent`` / ``hidden_states``: ``tensors`` holds named tensors (for hidden states:
       ``hidden_states``, one row per prompt token then one per decode step, as HF's last
-      ``hidden_states``), alongside ``completions``.
+      ``hidden_states``), alongside ``outputs``.
 
-    ``finished`` is true on the stage's last output for the request.
+    ``finished`` is true on the stage's last output for the request. ``metrics["stage_seconds"]``
+    is the orchestrator's per-stage time of the request, complete once the request is.
     """
 
     request_id: str
@@ -48,7 +49,7 @@ class OmniRequestOutput:
     finished: bool
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    completions: list[CompletionOutput] = field(default_factory=list)
+    outputs: list[CompletionOutput] = field(default_factory=list)
     images: list[Image] = field(default_factory=list)
     audio: AudioOutput | None = None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -76,12 +77,12 @@ class OmniRequestOutput:
     @property
     def text(self) -> str | None:
         """The first choice's text (None when the stage does not output text)."""
-        return self.completions[0].text if self.completions else None
+        return self.outputs[0].text if self.outputs else None
 
     @property
     def token_ids(self) -> list[int] | None:
-        return list(self.completions[0].token_ids) if self.completions else None
+        return list(self.outputs[0].token_ids) if self.outputs else None
 
     @property
     def num_generated_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions)
+        return sum(len(c.token_ids) for c in self.outputs)

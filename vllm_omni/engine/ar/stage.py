@@ -163,7 +163,7 @@ class ARStage(EngineStage):
                     finished=out.finished,
                     prompt=out.prompt,
                     prompt_token_ids=out.prompt_token_ids,
-                    completions=out.outputs,
+                    outputs=out.outputs,
                     num_cached_tokens=out.num_cached_tokens or 0,
                 )
                 if wants_hidden and out.finished:

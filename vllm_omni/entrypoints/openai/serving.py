@@ -276,7 +276,7 @@ class OpenAIServing:
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
-            for c in final.completions
+            for c in final.outputs
         ]
         body = ChatCompletionResponse(
             id=request_id,
@@ -379,7 +379,7 @@ class OpenAIServing:
                     continue
                 generated += out.num_generated_tokens
                 if speaking:
-                    text = "".join(c.text for c in out.completions)
+                    text = "".join(c.text for c in out.outputs)
                     if text:
                         yield audio_chunk({"transcript": text})
                     continue
@@ -390,7 +390,7 @@ class OpenAIServing:
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
                     )
-                    for c in out.completions
+                    for c in out.outputs
                     if c.text or c.finish_reason is not None
                 ]
                 if choices:
@@ -446,7 +446,7 @@ class OpenAIServing:
                 stop_reason=c.stop_reason,
             )
             for p, final in enumerate(finals)
-            for c in final.completions
+            for c in final.outputs
         ]
         generated = sum(f.num_generated_tokens for f in finals)
         return CompletionResponse(
@@ -474,7 +474,7 @@ class OpenAIServing:
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
                     )
-                    for c in out.completions
+                    for c in out.outputs
                     if c.text or c.finish_reason is not None
                 ]
                 if choices:

@@ -63,7 +63,7 @@ def talker_to_code2wav(
     among the outputs, and the token list of an unfinished output can already hold it."""
     talker = upstream["talker"]
     codes = list(talker.token_ids or [])
-    if talker.finished and codes and talker.completions[0].finish_reason == "stop":
+    if talker.finished and codes and talker.outputs[0].finish_reason == "stop":
         codes = codes[:-1]  # a stop token (or the model's eos) ended it
     talker_params = params.get("talker")
     stops = set(getattr(talker_params, "stop_token_ids", None) or [])
