@@ -28,6 +28,7 @@ from typing import Any
 
 from vllm_omni.config.placement import GIB, PlacementError, device_problems, stage_device
 from vllm_omni.config.schema import PipelineConfig, StageConfig
+from vllm_omni.errors import StageStartError
 
 logger = logging.getLogger(__name__)
 
@@ -321,7 +322,8 @@ def plan_pipeline(
     ar_device_type: str | None = None,
 ) -> MemoryPlan:
     """The memory plan of a pipeline served for `model` with the caller's engine args (CLI
-    flags, OmniLLM kwargs), or PlacementError naming every problem. Starts nothing."""
+    flags, OmniLLM kwargs). Starts nothing. Raises PlacementError naming every problem of
+    devices and memory, or StageStartError naming every stage whose config is unusable."""
     from vllm.platforms import current_platform
 
     from vllm_omni.engine.ar.stage import stage_engine_args
@@ -359,14 +361,21 @@ def plan_memory(
     plans: list[StagePlan] = []
     open_kv: dict[str, list[StagePlan]] = defaultdict(list)
     devices: dict[str, DeviceMemory] = {}
+    unreadable: dict[str, BaseException] = {}
     for stage in pipeline.stages:
         device = stage_device(stage, ar_device_type)
         if device not in devices:
             devices[device] = device_memory(device)
-        plan = need(stage, device)
+        try:
+            plan = need(stage, device)
+        except Exception as e:  # its engine args cannot make a config: it cannot start
+            unreadable[stage.name] = e
+            continue
         plans.append(plan)
         if not _user_budget(stage, plan, given_args(stage), devices[device], problems):
             open_kv[device].append(plan)
+    if unreadable:
+        raise StageStartError(unreadable) from next(iter(unreadable.values()))
     for device, memory in devices.items():
         on_device = [p for p in plans if p.device == device]
         fixed = sum(p.total for p in on_device)  # planned KV caches are still 0 here
