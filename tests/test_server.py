@@ -65,7 +65,8 @@ def test_chat_greedy_equals_vllm_and_reports_usage(client, vllm_llm):
 
 def test_chat_streaming_equals_non_streaming(client):
     kwargs = dict(model=SERVED_NAME, messages=MESSAGES, temperature=0, max_tokens=12)
-    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    reply = client.chat.completions.create(**kwargs)
+    full = reply.choices[0].message.content
     chunks = list(
         client.chat.completions.create(
             **kwargs, stream=True, stream_options={"include_usage": True}
@@ -77,6 +78,9 @@ def test_chat_streaming_equals_non_streaming(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
     assert len({c.id for c in chunks}) == 1
+    # Extension: how long each stage took, in the body and in the stream's usage chunk.
+    assert set(reply.stage_seconds) == set(chunks[-1].stage_seconds) == {"llm"}
+    assert 0 < chunks[-1].stage_seconds["llm"] < 60
 
 
 def test_completions_greedy_equals_vllm_and_streams(client, vllm_llm):

@@ -330,13 +330,12 @@ class OpenAIServing:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         n = request.n or 1
 
-        def chunk(choices: list, usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list, usage: UsageInfo | None = None, **fields) -> str:
             extra = {"usage": usage} if usage is not None else {}
-            return sse(
-                ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=choices, **extra
-                ).model_dump_json(exclude_unset=True)
-            )
+            body = ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=choices, **extra
+            ).model_dump(mode="json", exclude_unset=True)
+            return sse(json.dumps({**body, **fields}))
 
         yield chunk(
             [
@@ -399,9 +398,8 @@ class OpenAIServing:
             yield sse(_stream_error(e))
             yield sse("[DONE]")
             return
-        if include_usage:
-            yield chunk([], _usage(prompt_len, generated))
-        yield _seconds_chunk(request_id, created, model, seconds)
+        if include_usage:  # the usage chunk also says how long each stage took
+            yield chunk([], _usage(prompt_len, generated), stage_seconds=seconds)
         yield sse("[DONE]")
 
     # -- completions ---------------------------------------------------------------------
@@ -505,13 +503,6 @@ def _stage_seconds(outputs) -> dict[str, float]:
     for out in outputs:
         return dict(out.metrics.get("stage_seconds") or {})
     return {}
-
-
-def _seconds_chunk(request_id: str, created: int, model: str, seconds: dict) -> str:
-    """The stream's last chunk before [DONE]: no choices, the stages' seconds (extension)."""
-    return sse(json.dumps({"id": request_id, "object": "chat.completion.chunk",
-                           "created": created, "model": model, "choices": [],
-                           "stage_seconds": seconds}))
 
 
 def image_parts(images: list) -> list[dict]:

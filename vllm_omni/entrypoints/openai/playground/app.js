@@ -247,6 +247,7 @@ async function sendChat(event) {
   const speak = $("chat-speak").checked;
   const body = {
     model: state.info.model, messages: state.chat, stream: true,
+    stream_options: { include_usage: true },  // its last chunk carries the stages' seconds
     max_tokens: Number($("chat-max-tokens").value) || 64, stage_sampling_params: stages,
   };
   if (speak) {
