@@ -31,6 +31,7 @@ class Outcome:
     result: str  # "ok", "4xx", "503", "hangup", or "fail: ..."
     status: int | None
     seconds: float
+    message: str | None = None  # the server's error message, for a refusal
 
 
 def request_kinds(info: dict[str, Any]) -> list[str]:
@@ -66,18 +67,20 @@ def _body(kind: str, info: dict[str, Any], rng: random.Random) -> tuple[str, dic
     raise ValueError(f"unknown request kind {kind!r}")
 
 
-def _judge(reply: httpx.Response, body: bytes) -> str:
+def _judge(reply: httpx.Response, body: bytes) -> tuple[str, str | None]:
     if reply.status_code < 300:
-        return "ok"
+        return "ok", None
     try:
         message = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = None
     if not message:
-        return f"fail: {reply.status_code} without an OpenAI-shaped error"
+        return f"fail: {reply.status_code} without an OpenAI-shaped error", None
     if reply.status_code == 503:
-        return "503"
-    return "4xx" if reply.status_code < 500 else f"fail: {reply.status_code} {message[:80]}"
+        return "503", message
+    if reply.status_code < 500:
+        return "4xx", message
+    return f"fail: {reply.status_code} {message[:80]}", message
 
 
 async def one(client: httpx.AsyncClient, kind: str, info: dict[str, Any], rng: random.Random,
@@ -97,12 +100,13 @@ async def one(client: httpx.AsyncClient, kind: str, info: dict[str, Any], rng: r
                 return Outcome(kind, "hangup", reply.status_code, time.perf_counter() - start)
             async with client.stream("POST", path, json=body) as reply:
                 data = await reply.aread()
-            result = _judge(reply, data)
+            result, message = _judge(reply, data)
             if result == "ok" and streamed and b"data: [DONE]" not in data:
                 result = "fail: a stream without [DONE]"
             if result == "ok" and streamed and b'"error"' in data:
                 result = "fail: " + data.decode(errors="replace")[-120:]
-            return Outcome(kind, result, reply.status_code, time.perf_counter() - start)
+            return Outcome(kind, result, reply.status_code, time.perf_counter() - start,
+                           message)
     except TimeoutError:
         return Outcome(kind, f"fail: no answer in {timeout:g} s", None, timeout)
     except httpx.HTTPError as e:
@@ -150,6 +154,7 @@ def summary(outcomes: list[Outcome]) -> dict[str, Any]:
             "requests": len(items),
             "results": dict(Counter(o.result for o in items)),
             "statuses": dict(Counter(str(o.status) for o in items)),
+            "refusals": dict(Counter(o.message for o in items if o.message).most_common(3)),
             **({"p50_s": round(q[49], 3), "p90_s": round(q[89], 3), "p99_s": round(q[98], 3)}
                if answered else {}),
         }
