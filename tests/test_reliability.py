@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 KEY = "limits-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-TIMEOUT = 3
+TIMEOUT = 5
 LONG = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000,
         "ignore_eos": True}
 
@@ -60,7 +60,13 @@ def test_beyond_the_limit_is_503_at_once_and_streams_end_at_the_timeout(limited)
                 return events
 
             streams = [asyncio.create_task(long_stream()) for _ in range(3)]
-            await asyncio.sleep(1.0)  # all three admitted and streaming
+            for _ in range(100):  # until all three are admitted (a loaded machine is slow)
+                in_flight = await asyncio.to_thread(metric, limited,
+                                                    "vllm_omni:requests_in_flight")
+                if in_flight == 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert in_flight == 3
             start = time.perf_counter()
             refused = await c.post("/v1/chat/completions", json=LONG)
             refused_in = time.perf_counter() - start
@@ -134,8 +140,9 @@ def test_every_route_but_health_needs_the_key(limited):
 
 @pytest.fixture(scope="module")
 def demo_under_load(tmp_path_factory):
-    srv = ServerProcess(["--max-pending-requests", "24"],
-                        tmp_path_factory.mktemp("load") / "server.log")
+    # No admission limit: refusals come back at once, so refused clients would draw most of
+    # the mix; the limit has its own test above.
+    srv = ServerProcess([], tmp_path_factory.mktemp("load") / "server.log")
     yield srv
     assert srv.stop(), "processes of the server were still alive after SIGTERM"
 
@@ -150,7 +157,7 @@ def test_a_mix_of_40_clients_is_all_answered_and_leaves_nothing(demo_under_load)
     assert not failures(outcomes), failures(outcomes)[:5]
     assert set(report) == {"chat", "chat_stream", "completion", "image"}
     ok = sum(r["results"].get("ok", 0) for r in report.values())
-    assert ok >= len(outcomes) // 2  # most are served, not refused
+    assert ok >= len(outcomes) // 2  # those that did not hang up are served
     assert any(o.result == "hangup" for o in outcomes)
     time.sleep(2)  # hung-up requests drain
     after = server_state(srv.proc.pid)

@@ -32,8 +32,11 @@ def raw_post(server, path: str, body: bytes | str, key: str = API_KEY) -> httpx.
     )
 
 
+KEY_HEADER = {"Authorization": f"Bearer {API_KEY}"}
+
+
 def metric(server, name: str, **labels: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
+    text = httpx.get(server.url + "/metrics", timeout=10, headers=KEY_HEADER).text
     total = 0.0
     for line in text.splitlines():
         if not line.startswith(name + "{") and not line.startswith(name + " "):
@@ -164,7 +167,8 @@ def test_api_key_is_required(server):
 def test_health_and_metrics(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
     client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=2)
-    text = httpx.get(server.url + "/metrics").text
+    assert httpx.get(server.url + "/metrics").status_code == 401  # the key guards it too
+    text = httpx.get(server.url + "/metrics", headers=KEY_HEADER).text
     assert re.search(r'vllm_omni:http_requests_total\{endpoint="chat",status="200"\} [1-9]', text)
     assert "vllm:generation_tokens_total" in text  # vLLM's own engine metrics are exported too
 
