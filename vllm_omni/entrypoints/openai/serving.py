@@ -238,11 +238,10 @@ class OpenAIServing:
         stage = self.images.stage_name()
         overrides = dict(request.stage_sampling_params or {})
         diffusion = {"num_images": request.n or 1, **overrides.pop(stage, {})}
-        work = self.images.generate_images(prompt, diffusion, request_id, overrides)
+        # Made whole before answering: an error is an HTTP error, also for a stream.
+        out = await self.images.generate_images(prompt, diffusion, request_id, overrides)
         if request.stream:
-            out = await work  # errors in the request become an HTTP error, not a stream event
             return self._image_stream(request, request_id, out.images)
-        out = await work
         return self._image_answer(request, request_id, out.images, _usage(0, 0),
                                   _stage_seconds([out]))
 
