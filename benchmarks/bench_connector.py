@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from vllm_omni.orchestrator.connectors import SharedMemoryConnector
+from vllm_omni.transfer.connectors import SharedMemoryConnector
 
 SIZES_MB = [1, 16, 128]
 

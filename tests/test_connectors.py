@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from vllm_omni.orchestrator.connectors import InProcessConnector, SharedMemoryConnector
+from vllm_omni.transfer.connectors import InProcessConnector, SharedMemoryConnector
 
 
 def payload(seed: int) -> dict[str, torch.Tensor]:

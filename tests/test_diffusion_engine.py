@@ -195,14 +195,14 @@ def test_whole_request_fallback_equals_diffusers(tmp_path):
 
 def test_engine_start_failure_is_reported(tmp_path):
     (tmp_path / "model_index.json").write_text('{"_class_name": "NoSuchPipeline"}')
-    from vllm_omni.engine.diffusion import DiffusionStartError
+    from vllm_omni.engine.runtime import EngineStartError
 
-    with pytest.raises(DiffusionStartError, match="NoSuchPipeline|failed"):
+    with pytest.raises(EngineStartError, match="NoSuchPipeline|failed"):
         AsyncDiffusionEngine(str(tmp_path))
 
 
 def test_latent_output_goes_through_shared_memory(family):
-    from vllm_omni.orchestrator.connectors import SharedMemoryConnector
+    from vllm_omni.transfer.connectors import SharedMemoryConnector
 
     name, pipe, engine = family
 
@@ -213,7 +213,7 @@ def test_latent_output_goes_through_shared_memory(family):
 
     out = run_sync(last())
     assert out.images is None
-    got = SharedMemoryConnector().get(out.latents)["latents"]
+    got = SharedMemoryConnector().get(out.handle)["latents"]
     want = pipe("a red cat", generator=torch.Generator().manual_seed(3), num_inference_steps=3,
                 output_type="latent", **SIZE).images
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni.engine.diffusion import AsyncDiffusionEngine, DiffusionStartError, EngineOptions
+from vllm_omni.engine.diffusion import AsyncDiffusionEngine, EngineOptions
 from vllm_omni.engine.diffusion.cache import CacheConfig, CacheSlot
+from vllm_omni.engine.runtime import EngineStartError
 from vllm_omni.testing.tiny_models import make_tiny
 
 SIZE = {"height": 64, "width": 64}
@@ -224,7 +225,7 @@ def test_a_model_that_cannot_be_cached_says_so(tmp_path):
             run_sync(run(engine, "c", "x", cache={"method": "teacache"}))
     finally:
         engine.shutdown()
-    with pytest.raises(DiffusionStartError, match="cannot be cached"):
+    with pytest.raises(EngineStartError, match="cannot be cached"):
         AsyncDiffusionEngine(str(folder), EngineOptions(defaults={"cache": {"method": "block"}}))
 
 

@@ -185,9 +185,9 @@ def test_abort_mid_speech_stops_every_stage(speech_llm, hf_speech):
 
 def test_code2wav_batch_equals_hf_one_by_one(tiny_omni):
     """Requests batched in one DiT call each get HF's waveform for their own seed."""
-    from vllm_omni.engine.code2wav.core import load_token2wav
     from vllm_omni.engine.code2wav.sampler import request_noise, sample_mels
     from vllm_omni.models.qwen2_5_omni.speakers import speakers
+    from vllm_omni.models.qwen2_5_omni.token2wav import load_token2wav
 
     token2wav, _ = load_token2wav(tiny_omni, "float32", "cpu")
     voice = speakers(tiny_omni)["Ethan"]

@@ -29,11 +29,12 @@ def reshaped(tiny_omni, tmp_path_factory):
 def decode(folder: str, codes: list[int], speaker: str) -> np.ndarray:
     """One request through the code2wav engine core, in this process."""
     from vllm_omni.engine.code2wav.core import Code2WavCore, Code2WavOptions
+    from vllm_omni.engine.runtime import AddRequest
 
     ours, theirs = multiprocessing.Pipe()
     core = Code2WavCore(folder, Code2WavOptions(num_threads=1), theirs)
-    core.handle(("add", "r", {"codes": codes, "complete": True},
-                 {"seed": 3, "speaker": speaker}, []))
+    core.handle(AddRequest("r", {"codes": codes, "complete": True},
+                           {"seed": 3, "speaker": speaker}))
     with torch.inference_mode():  # as the core's own process runs it
         while core.has_work:
             core.step()

@@ -60,7 +60,7 @@ class OmniRequestOutput:
     tensor_handles: dict[str, Any] = field(default_factory=dict)
 
     def resolve_tensors(self) -> None:
-        from vllm_omni.orchestrator.connectors import SharedMemoryConnector
+        from vllm_omni.transfer.connectors import SharedMemoryConnector
 
         for handle in self.tensor_handles.values():
             self.tensors.update(SharedMemoryConnector().get(handle))
@@ -68,7 +68,7 @@ class OmniRequestOutput:
 
     def discard_tensors(self) -> None:
         """Free payloads still in a connector (a no-op for ones already read)."""
-        from vllm_omni.orchestrator.connectors import SharedMemoryConnector
+        from vllm_omni.transfer.connectors import SharedMemoryConnector
 
         for handle in self.tensor_handles.values():
             SharedMemoryConnector().discard(handle)

@@ -1,12 +1,13 @@
 """Where stages run: each stage's device, checked before any engine starts.
 
 A stage's `placement` names its device (and optionally a memory budget, which the memory
-plan in orchestrator/memory.py honours). Start-up fails with every problem at once, named by
+plan in config/memory.py honours). Start-up fails with every problem at once, named by
 stage: a device this machine lacks, or an AR stage on a device vLLM cannot put it on.
 """
 
 from __future__ import annotations
 
+from vllm_omni.config.kinds import stage_kind
 from vllm_omni.config.schema import PipelineConfig, StageConfig
 
 GIB = 1 << 30
@@ -21,10 +22,8 @@ def stage_device(stage: StageConfig, ar_device_type: str = "cpu") -> str:
     platform for AR stages, the `device` engine option, CPU by default, for the others)."""
     if stage.placement is not None:
         device = stage.placement.device
-    elif stage.engine == "ar":
-        device = ar_device_type
     else:
-        device = stage.engine_args.get("device", "cpu")
+        device = stage_kind(stage.engine).default_device(stage, ar_device_type)
     return "cuda:0" if device == "cuda" else device
 
 
@@ -45,15 +44,5 @@ def device_problems(pipeline: PipelineConfig, ar_device_type: str) -> list[str]:
                 problems.append(f"stage {name}: device {device}, but this machine has "
                                 f"{count} CUDA device(s)")
                 continue
-        if stage.engine == "ar" and stage.placement is not None:
-            if device.split(":")[0] != ar_device_type:
-                problems.append(f"stage {name}: device {device}, but this vLLM build runs "
-                                f"on {ar_device_type}")
-            elif device.startswith("cuda") and device != "cuda:0":
-                problems.append(f"stage {name}: vLLM runs an AR stage on the first visible "
-                                f"GPU; for {device}, start with CUDA_VISIBLE_DEVICES instead")
-        offload = stage.engine_args.get("offload") if stage.engine == "diffusion" else None
-        if offload is not None and not device.startswith("cuda"):
-            problems.append(f"stage {name}: offload {offload!r} moves weights between a GPU "
-                            f"and the CPU; this stage runs on {device}")
+        problems += stage_kind(stage.engine).placement_problems(stage, device, ar_device_type)
     return problems

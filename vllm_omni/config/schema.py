@@ -18,7 +18,8 @@ from pydantic import (
     model_validator,
 )
 
-EngineType = Literal["ar", "diffusion", "code2wav"]
+from vllm_omni.config.kinds import kind_names, stage_kind
+
 OutputType = Literal["text", "tokens", "hidden_states", "image", "audio", "latent"]
 
 # The `modalities` a request can ask for, by stage output type.
@@ -30,14 +31,6 @@ MODALITY_OF_OUTPUT: dict[str, str] = {
     "audio": "audio",
     "latent": "latent",
 }
-
-# What each engine type can produce; checked so a config cannot promise an output nobody makes.
-ENGINE_OUTPUTS: dict[str, set[str]] = {
-    "ar": {"text", "tokens", "hidden_states"},
-    "diffusion": {"image", "latent"},
-    "code2wav": {"audio"},
-}
-
 
 class Placement(BaseModel):
     """Where a stage runs and how much memory it may hold (weights, KV cache, activations)."""
@@ -54,17 +47,23 @@ class StageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")
-    engine: EngineType = "ar"
+    engine: str = Field(
+        default="ar",
+        description="The stage kind (config/kinds.py): 'ar', 'diffusion', 'code2wav', or one "
+        "a plugin registered.",
+    )
     model: str | None = Field(
         default=None, description="Model folder; default: the model the pipeline was loaded for."
     )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
-        description="Engine args: vLLM's AsyncEngineArgs for 'ar', EngineOptions for 'diffusion'.",
+        description="Engine args of the stage's kind: vLLM's AsyncEngineArgs for 'ar', "
+        "EngineOptions for 'diffusion', Code2WavOptions for 'code2wav'.",
     )
     sampling_params: dict[str, Any] = Field(
         default_factory=dict,
-        description="Request defaults: SamplingParams for 'ar', DiffusionParams for 'diffusion'.",
+        description="Request defaults: SamplingParams for 'ar', DiffusionParams for "
+        "'diffusion', code2wav's parameters for 'code2wav'.",
     )
     sampling_defaults: str | None = Field(
         default=None,
@@ -76,7 +75,8 @@ class StageConfig(BaseModel):
         default_factory=dict,
         description="Edges passed in chunks: upstream stage -> every how many of its tokens "
         "this stage gets the upstream's output so far. This stage starts on the first chunk "
-        "instead of waiting for the whole upstream request. Code2wav stages only.",
+        "instead of waiting for the whole upstream request. Only kinds that take streamed "
+        "input (code2wav).",
     )
     input_processor: str | None = Field(
         default=None,
@@ -115,62 +115,43 @@ class StageConfig(BaseModel):
             raise ValueError(f"must look like 'package.module:function', got {value!r}")
         return value
 
+    @field_validator("engine")
+    @classmethod
+    def _known_kind(cls, value: str) -> str:
+        stage_kind(value)  # raises, naming the known kinds
+        return value
+
     @field_validator("engine_args")
     @classmethod
     def _known_engine_args(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        from dataclasses import fields
-
-        if info.data.get("engine") == "diffusion":
-            from vllm_omni.engine.diffusion.core import EngineOptions as args_class
-
-            kind = "diffusion engine options"
-        elif info.data.get("engine") == "code2wav":
-            from vllm_omni.engine.code2wav.core import Code2WavOptions as args_class
-
-            kind = "code2wav engine options"
-        else:
-            from vllm.engine.arg_utils import AsyncEngineArgs as args_class
-
-            kind = "vLLM engine args"
-        unknown = sorted(set(value) - {f.name for f in fields(args_class)})
-        if unknown:
-            raise ValueError(f"unknown {kind} {unknown}")
+        if "engine" in info.data:
+            stage_kind(info.data["engine"]).check_engine_args(value)
         return value
 
     @field_validator("sampling_params")
     @classmethod
     def _known_sampling_params(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        if info.data.get("engine") == "diffusion":
-            from vllm_omni.engine.diffusion.params import DiffusionParams
-
-            DiffusionParams.parse(value)  # raises, naming the field, when a value is wrong
-            return value
-        if info.data.get("engine") == "code2wav":
-            from vllm_omni.engine.code2wav.core import check_params
-
-            check_params(value, speakers=None)  # the model's voices are known at start-up
-            return value
-        from vllm import SamplingParams
-
-        unknown = sorted(set(value) - set(SamplingParams.__struct_fields__))
-        if unknown:
-            raise ValueError(f"unknown sampling params {unknown}")
+        if "engine" in info.data:
+            stage_kind(info.data["engine"]).check_sampling_params(value)
         return value
 
     @model_validator(mode="after")
     def _output_matches_engine(self) -> StageConfig:
-        if self.output not in ENGINE_OUTPUTS[self.engine]:
+        kind = stage_kind(self.engine)
+        if self.output not in kind.outputs:
             raise ValueError(
                 f"engine {self.engine!r} cannot output {self.output!r} "
-                f"(it can output {sorted(ENGINE_OUTPUTS[self.engine])})"
+                f"(it can output {sorted(kind.outputs)})"
             )
         if self.inputs and self.input_processor is None:
             raise ValueError("a stage with inputs needs an input_processor")
-        if self.engine != "ar" and (self.hidden_states or self.step_inputs):
+        if not kind.autoregressive and (self.hidden_states or self.step_inputs):
             raise ValueError("hidden_states and step_inputs are options of 'ar' stages")
         if self.stream_inputs:
-            if self.engine != "code2wav":
-                raise ValueError("stream_inputs: only code2wav stages take streamed input")
+            if not kind.streamed_input:
+                takers = [k for k in kind_names() if stage_kind(k).streamed_input]
+                raise ValueError(f"stream_inputs: only {', '.join(takers)} stages take "
+                                 "streamed input")
             if list(self.stream_inputs) != self.inputs or len(self.inputs) != 1:
                 raise ValueError("stream_inputs must name the stage's one input")
             if min(self.stream_inputs.values()) < 1:

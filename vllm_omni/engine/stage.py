@@ -1,15 +1,129 @@
-"""What every stage kind shares: its engine's abort / health / shutdown surface."""
+"""The stage contract: what the orchestrator may ask of a stage, whatever its engine.
+
+A stage kind is a class implementing `StageKind` (its class-level facts and checks) whose
+instances implement `Stage`. Kinds are registered by name in config/kinds.py; the
+orchestrator reaches every stage through these two interfaces only.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from vllm_omni.config.kinds import StartContext
+    from vllm_omni.config.memory import StagePlan
+    from vllm_omni.config.schema import StageConfig
+    from vllm_omni.outputs import OmniRequestOutput
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """One running stage of a pipeline.
+
+    `generate` takes the stage's prompt (what its input processor made, or the request's
+    prompt for an entry stage) and its parameters (from `sampling_params`), and yields
+    `OmniRequestOutput`s until one with `finished`. With `input_complete` false, the prompt
+    is the first part of the input and `add_input` brings the rest (a streamed edge; only
+    kinds with `streamed_input` are given one). With `keep_hidden_states`, the finished
+    output carries the request's hidden states as `tensor_handles["hidden_states"]`
+    (AR kinds). Leaving the iteration early stops the request in the engine.
+    """
+
+    name: str
+    config: StageConfig
+
+    def sampling_params(self, given: Any) -> Any:
+        """The request's parameters for this stage: `given` ones as they are, or a dict of
+        overrides (None for none) over the stage's defaults. ValueError for bad ones."""
+
+    async def render(self, prompts: list[Any]) -> list[Any]:
+        """Prompts in the form `generate` takes, in one batch (tokenized, for AR stages)."""
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        *,
+        input_complete: bool = True,
+        keep_hidden_states: bool = False,
+    ) -> AsyncIterator[OmniRequestOutput]: ...
+
+    async def add_input(self, request_id: str, prompt: Any, complete: bool) -> None:
+        """The input so far of a request started with `input_complete` false."""
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def check_health(self) -> None:
+        """Raises when the stage's engine is dead."""
+
+    @property
+    def errored(self) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
+class StageKind(Protocol):
+    """The class of a stage kind: facts and checks that need no running engine."""
+
+    outputs: ClassVar[frozenset[str]]  # the output types its stages can make
+    streamed_input: ClassVar[bool]  # takes `stream_inputs` edges
+    # vLLM's engine: stages of this kind hold a KV cache, render chat prompts, take OpenAI
+    # sampling fields, and have the `hidden_states` / `step_inputs` options.
+    autoregressive: ClassVar[bool]
+
+    @classmethod
+    def check_engine_args(cls, args: dict[str, Any]) -> None:
+        """ValueError naming engine args this kind does not know."""
+
+    @classmethod
+    def check_sampling_params(cls, params: dict[str, Any]) -> None:
+        """ValueError for request defaults this kind would refuse."""
+
+    @classmethod
+    def default_device(cls, config: StageConfig, ar_device_type: str) -> str:
+        """The device of a stage without a placement."""
+
+    @classmethod
+    def placement_problems(cls, config: StageConfig, device: str,
+                           ar_device_type: str) -> list[str]:
+        """Why this kind cannot run the stage on `device` (sentences naming the stage)."""
+
+    @classmethod
+    def memory_needs(cls, config: StageConfig, context: StartContext,
+                     device: str) -> StagePlan:
+        """What the stage will hold, from its model's files; starts nothing."""
+
+    @classmethod
+    def start(cls, config: StageConfig, context: StartContext) -> Stage:
+        """Start the stage's engine; returns once it serves."""
 
 
 class EngineStage:
-    """A stage over one engine client (vLLM's AsyncLLM or AsyncDiffusionEngine), which both
-    offer abort(), check_health(), errored and shutdown() under the same names."""
+    """Abort, health and shutdown of a stage over one engine client (vLLM's AsyncLLM or the
+    runtime's EngineClient offer them under the same names), and the defaults of the
+    optional parts of the contract."""
 
     engine: Any
+    name: str
+    autoregressive: ClassVar[bool] = False
+    streamed_input: ClassVar[bool] = False
+
+    @classmethod
+    def default_device(cls, config: StageConfig, ar_device_type: str) -> str:
+        return config.engine_args.get("device", "cpu")
+
+    @classmethod
+    def placement_problems(cls, config: StageConfig, device: str,
+                           ar_device_type: str) -> list[str]:
+        return []
+
+    async def render(self, prompts: list[Any]) -> list[Any]:
+        return list(prompts)  # non-AR engines take prompts as they come
+
+    async def add_input(self, request_id: str, prompt: Any, complete: bool) -> None:
+        raise ValueError(f"stage {self.name!r} takes no streamed input")
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

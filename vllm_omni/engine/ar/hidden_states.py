@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.orchestrator.connectors import SharedMemoryConnector
+from vllm_omni.transfer.connectors import SharedMemoryConnector
 
 REQUEST_KEY = "omni_hidden_states"
 

@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import AsyncIterator
 from dataclasses import fields
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import EngineInput, PromptType
 from vllm.renderers.inputs.preprocess import parse_model_prompt
-from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from vllm_omni.config.kinds import StartContext
 from vllm_omni.config.loader import load_function
+from vllm_omni.config.memory import RUNTIME, StagePlan, weights_bytes
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.ar import hidden_states, step_inputs
 from vllm_omni.engine.ar.worker import worker_class_path
 from vllm_omni.engine.stage import EngineStage
-from vllm_omni.orchestrator.connectors import ShmHandle
 from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.transfer.connectors import ShmHandle
 
 _ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
 
@@ -69,15 +71,82 @@ def is_engine_input(prompt: object) -> bool:
 
 
 class ARStage(EngineStage):
-    def __init__(
-        self,
-        config: StageConfig,
-        engine_args: AsyncEngineArgs,
-        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
-    ) -> None:
+    """A stage run by vLLM's engine: text, token or hidden-state outputs, with vLLM's
+    continuous batching, paged KV cache and renderer (chat templates, multimodal inputs)."""
+
+    outputs: ClassVar[frozenset[str]] = frozenset({"text", "tokens", "hidden_states"})
+    autoregressive: ClassVar[bool] = True
+
+    # -- the kind ------------------------------------------------------------------------
+
+    @classmethod
+    def check_engine_args(cls, args: dict[str, Any]) -> None:
+        unknown = sorted(set(args) - _ENGINE_ARG_NAMES)
+        if unknown:
+            raise ValueError(f"unknown vLLM engine args {unknown}")
+
+    @classmethod
+    def check_sampling_params(cls, params: dict[str, Any]) -> None:
+        unknown = sorted(set(params) - set(SamplingParams.__struct_fields__))
+        if unknown:
+            raise ValueError(f"unknown sampling params {unknown}")
+
+    @classmethod
+    def default_device(cls, config: StageConfig, ar_device_type: str) -> str:
+        return ar_device_type
+
+    @classmethod
+    def placement_problems(cls, config: StageConfig, device: str,
+                           ar_device_type: str) -> list[str]:
+        if config.placement is None:
+            return []
+        name = repr(config.name)
+        if device.split(":")[0] != ar_device_type:
+            return [f"stage {name}: device {device}, but this vLLM build runs on "
+                    f"{ar_device_type}"]
+        if device.startswith("cuda") and device != "cuda:0":
+            return [f"stage {name}: vLLM runs an AR stage on the first visible GPU; for "
+                    f"{device}, start with CUDA_VISIBLE_DEVICES instead"]
+        return []
+
+    @classmethod
+    def memory_needs(cls, config: StageConfig, context: StartContext, device: str) -> StagePlan:
+        """Weights, KV cache and activations, read from the vLLM config the engine args give."""
+        args = stage_engine_args(context.model, config, context.engine_kwargs)
+        vllm_config = dataclasses.replace(args).create_engine_config(context.usage_context)
+        model, sched = vllm_config.model_config, vllm_config.scheduler_config
+        itemsize = model.dtype.itemsize
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        kv_item = itemsize if cache_dtype == "auto" else (1 if "fp8" in cache_dtype else 2)
+        parallel = vllm_config.parallel_config
+        per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
+                     * model.get_head_size() * kv_item)
+        hidden = model.get_hidden_size()
+        intermediate = getattr(model.hf_text_config, "intermediate_size", None) or 4 * hidden
+        activations = (sched.max_num_batched_tokens * (4 * hidden + 2 * intermediate) * itemsize
+                       + 2 * sched.max_num_seqs * model.get_vocab_size() * 4)
+        return StagePlan(
+            stage=config.name, engine=config.engine, device=device,
+            weights=weights_bytes(model.model, config.weights_prefix, itemsize),
+            kv_cache=0, activations=activations, runtime=int(RUNTIME[("ar", device[:4])]),
+            kv_wanted=per_token * model.max_model_len * sched.max_num_seqs,
+            kv_floor=per_token * model.max_model_len,
+        )
+
+    @classmethod
+    def start(cls, config: StageConfig, context: StartContext) -> ARStage:
+        return cls(config, context)
+
+    # -- the stage -----------------------------------------------------------------------
+
+    def __init__(self, config: StageConfig, context: StartContext) -> None:
         self.config = config
         self.name = config.name
-        self.engine = AsyncLLM.from_engine_args(engine_args, usage_context=usage_context)
+        planned = (context.memory_plan.stage(config.name).engine_args
+                   if context.memory_plan is not None else None)
+        engine_args = stage_engine_args(context.model, config, context.engine_kwargs, planned)
+        self.engine = AsyncLLM.from_engine_args(engine_args,
+                                                usage_context=context.usage_context)
         self.model_config = self.engine.model_config
         # The model's generation_config defaults, the ones derived from its config, then the
         # stage's own defaults from the YAML.
@@ -127,16 +196,18 @@ class ARStage(EngineStage):
         request_id: str,
         prompt: PromptType | EngineInput,
         sampling_params: SamplingParams,
-        keep_hidden_states: bool | None = None,
+        *,
+        input_complete: bool = True,
+        keep_hidden_states: bool = False,
     ) -> AsyncIterator[OmniRequestOutput]:
-        """Run one request. `keep_hidden_states` (default: when the stage outputs them) also
+        """Run one request. `keep_hidden_states` (always, when the stage outputs them) also
         returns the request's hidden states and input embeddings as a shared-memory handle.
         A prompt dict may carry `step_inputs` = {"tensors": ShmHandle, "args": {...}} for a
         stage with `step_inputs` (see engine/ar/step_inputs.py)."""
+        if not input_complete:
+            raise ValueError(f"stage {self.name!r} takes no streamed input")
         output_type = self.config.output
-        wants_hidden = (
-            output_type == "hidden_states" if keep_hidden_states is None else keep_hidden_states
-        )
+        wants_hidden = output_type == "hidden_states" or keep_hidden_states
         extra = {}
         if isinstance(prompt, dict) and "step_inputs" in prompt:
             if not self.config.step_inputs:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.orchestrator.connectors import SharedMemoryConnector, ShmHandle
+from vllm_omni.transfer.connectors import SharedMemoryConnector, ShmHandle
 
 REQUEST_KEY = "omni_step_inputs"
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from vllm_omni.config.kinds import StartContext
+from vllm_omni.config.memory import RUNTIME, TORCH_BYTES, StagePlan, weights_bytes
 from vllm_omni.config.schema import StageConfig
-from vllm_omni.engine.code2wav.core import Code2WavOptions, check_params, run_code2wav_core
-from vllm_omni.engine.diffusion.client import AsyncDiffusionEngine
+from vllm_omni.engine.code2wav.core import Code2WavCore, Code2WavOptions, check_params
+from vllm_omni.engine.runtime import EngineClient
 from vllm_omni.engine.stage import EngineStage
 from vllm_omni.outputs import AudioOutput, OmniRequestOutput
 
@@ -27,14 +30,52 @@ def code2wav_options(config: StageConfig) -> Code2WavOptions:
     return Code2WavOptions(**options)
 
 
+_OPTION_NAMES = {f.name for f in dataclasses.fields(Code2WavOptions)}
+
+
 class Code2WavStage(EngineStage):
-    def __init__(self, config: StageConfig, model: str) -> None:
+    """A stage that voices codec tokens (Qwen2.5-Omni's token2wav), whole or as they come."""
+
+    outputs: ClassVar[frozenset[str]] = frozenset({"audio"})
+    streamed_input: ClassVar[bool] = True
+
+    # -- the kind ------------------------------------------------------------------------
+
+    @classmethod
+    def check_engine_args(cls, args: dict[str, Any]) -> None:
+        unknown = sorted(set(args) - _OPTION_NAMES)
+        if unknown:
+            raise ValueError(f"unknown code2wav engine options {unknown}")
+
+    @classmethod
+    def check_sampling_params(cls, params: dict[str, Any]) -> None:
+        check_params(params, speakers=None)  # the model's voices are known at start-up
+
+    @classmethod
+    def memory_needs(cls, config: StageConfig, context: StartContext, device: str) -> StagePlan:
+        """Its weights (fp32, as HF runs it) and a batch of mel frames through the DiT and
+        the vocoder (an estimate: 64 KiB per frame)."""
+        options = code2wav_options(config)
+        prefix = config.weights_prefix or "token2wav."
+        return StagePlan(
+            stage=config.name, engine=config.engine, device=device,
+            weights=weights_bytes(config.model or context.model, prefix,
+                                  TORCH_BYTES.get(options.dtype, 4)),
+            kv_cache=0, activations=options.max_batch_frames * 64 * 1024,
+            runtime=int(RUNTIME[("other", device[:4])]),
+        )
+
+    @classmethod
+    def start(cls, config: StageConfig, context: StartContext) -> Code2WavStage:
+        return cls(config, context)
+
+    # -- the stage -----------------------------------------------------------------------
+
+    def __init__(self, config: StageConfig, context: StartContext) -> None:
         self.config = config
         self.name = config.name
-        self.engine = AsyncDiffusionEngine(
-            config.model or model, code2wav_options(config), run_code2wav_core,
-            "Code2WavEngineCore",
-        )
+        self.engine = EngineClient(Code2WavCore, config.model or context.model,
+                                   code2wav_options(config))
         self.sample_rate: int = self.engine.info["sample_rate"]
         self.speakers: list[str] = self.engine.info["speakers"]
         self._codes: dict[str, list[int]] = {}  # per running request: its codes so far
@@ -45,15 +86,14 @@ class Code2WavStage(EngineStage):
         check_params(params, self.speakers)
         return params
 
-    async def render(self, prompts: list[Any]) -> list[Any]:
-        return list(prompts)
-
     async def generate(
         self,
         request_id: str,
         prompt: dict[str, Any],
         params: dict[str, Any],
+        *,
         input_complete: bool = True,
+        keep_hidden_states: bool = False,
     ) -> AsyncIterator[OmniRequestOutput]:
         """`prompt`: {"codes": [...], "speaker": optional voice} (see the input processor).
         With `input_complete` false, more codes follow through `add_input`.
@@ -96,4 +136,4 @@ class Code2WavStage(EngineStage):
             raise ValueError(f"streamed codes of {request_id!r} are not a continuation of "
                              "the ones already sent")
         self._codes[request_id] = codes
-        await self.engine.extend(request_id, codes[len(sent):], complete)
+        await self.engine.extend(request_id, {"codes": codes[len(sent):], "complete": complete})

@@ -1,13 +1,7 @@
 """The non-autoregressive engine: diffusion (DiT) pipelines with step-level batching."""
 
-from vllm_omni.engine.diffusion.client import AsyncDiffusionEngine, DiffusionStartError
+from vllm_omni.engine.diffusion.client import AsyncDiffusionEngine
 from vllm_omni.engine.diffusion.core import DiffusionOutput, EngineOptions
 from vllm_omni.engine.diffusion.params import DiffusionParams
 
-__all__ = [
-    "AsyncDiffusionEngine",
-    "DiffusionOutput",
-    "DiffusionParams",
-    "DiffusionStartError",
-    "EngineOptions",
-]
+__all__ = ["AsyncDiffusionEngine", "DiffusionOutput", "DiffusionParams", "EngineOptions"]

@@ -1,30 +1,29 @@
-"""The diffusion engine core: a busy loop in its own process, like vLLM's EngineCore.
+"""The diffusion engine core: a diffusers pipeline driven step by step in its own process,
+like vLLM's EngineCore (the loop and the messages are the runtime's, engine/runtime/).
 
-Each iteration takes new messages (add / abort / shutdown), admits waiting requests (batched
-text encoding, noise, schedules), runs ONE denoising step for one batch, decodes what is
-done, and sends the outputs back. The worker here is the adapter over the loaded pipeline;
-the process has one device, so there is no separate executor layer yet.
+Each step admits waiting requests (batched text encoding, noise, schedules), runs ONE
+denoising step for one batch, decodes what is done, and sends the outputs back. The worker
+here is the adapter over the loaded pipeline; the process has one device, so there is no
+separate executor layer yet.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import time
-import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-from vllm_omni.engine.core_process import serve_core
 from vllm_omni.engine.diffusion.batch_sizer import BatchSizer
 from vllm_omni.engine.diffusion.cache import CacheConfig
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 from vllm_omni.engine.diffusion.scheduler import DiffusionScheduler
-from vllm_omni.orchestrator.connectors import SharedMemoryConnector
+from vllm_omni.engine.runtime import AddRequest, CoreBase, CoreOutput
+from vllm_omni.transfer.connectors import SharedMemoryConnector
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +36,8 @@ class EngineOptions:
 
     dtype: str = "float32"
     device: str = "cpu"
-    # On CPU a batch above ~8 images is slower per image than 8 (measured: flux-tiny 2.5 ms
-    # per image-step at 8, 3.2 at 16); GPUs gain from larger batches: raise it there.
+    # On CPU a batch above ~8 images is slower per image than 8 (benchmarks/RESULTS.md);
+    # GPUs gain from larger batches: raise it there.
     max_batch_size: int = 8
     # Latent tokens x images per transformer call; default: no limit beyond batch size.
     max_batch_cost: int = 1 << 62
@@ -66,26 +65,21 @@ class EngineOptions:
 
 
 @dataclass
-class DiffusionOutput:
-    """Progress (`step` of `num_steps`) or the result of one request, sent to the client."""
+class DiffusionOutput(CoreOutput):
+    """Progress (`step` of `num_steps`) or the result of one request. A latent-only request's
+    latents are in shared memory (`handle`, {"latents": tensor}): they go to the next stage
+    without passing through the API process's pipe."""
 
-    request_id: str
     step: int = 0
     num_steps: int = 0
-    finished: bool = False
     images: list[np.ndarray] | None = None
-    # A shared-memory handle ({"latents": tensor}): latents go to the next stage without
-    # passing through the API process's pipe.
-    latents: Any = None
-    seed: int | None = None
     # Step-cache stats of a finished request: method, computed_steps, cached_steps.
     cache: dict[str, Any] | None = None
-    error: str | None = None
-    # "invalid": the request's parameters (a caller error); "internal": the engine failed.
-    error_kind: str | None = None
 
 
-class EngineCore:
+class DiffusionCore(CoreBase):
+    """Loads the pipeline, picks its adapter, and batches requests step by step."""
+
     def __init__(self, model: str, options: EngineOptions, conn: Connection) -> None:
         import torch
         from diffusers import DiffusionPipeline
@@ -93,10 +87,8 @@ class EngineCore:
 
         from vllm_omni.engine.diffusion.adapters import adapter_for
 
+        super().__init__(conn, options.num_threads)
         diffusers_logging.disable_progress_bar()
-        if options.num_threads:
-            torch.set_num_threads(options.num_threads)
-        self.conn = conn
         pipe = DiffusionPipeline.from_pretrained(model, dtype=getattr(torch, options.dtype))
         if options.offload == "model":
             pipe.enable_model_cpu_offload(device=options.device)
@@ -116,7 +108,6 @@ class EngineCore:
         self.scheduler = DiffusionScheduler(
             options.max_batch_size, options.max_batch_cost, options.max_running, sizer
         )
-        self.running = True
         self.connector = SharedMemoryConnector(prefix="omni-dit")
         self.progress_interval = options.progress_interval
         self._last_progress: dict[str, float] = {}
@@ -131,42 +122,24 @@ class EngineCore:
             "defaults": a.defaults,
         }
 
-    # -- messages ------------------------------------------------------------------------
+    # -- requests ------------------------------------------------------------------------
 
-    def handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "add":
-            self.add(*msg[1:])
-        elif kind == "abort":
-            self.scheduler.abort(msg[1])
-            self._last_progress.pop(msg[1], None)
-        elif kind == "shutdown":
-            self.running = False
-
-    def add(self, request_id: str, prompt: str, params: dict[str, Any], images: list) -> None:
+    def add(self, msg: AddRequest) -> None:
         try:
-            self.adapter.check_inputs(images)
-            given = DiffusionParams.parse(params).merged(self.defaults)
+            self.adapter.check_inputs(msg.images)
+            given = DiffusionParams.parse(msg.params).merged(self.defaults)
             resolved = self.adapter.resolve(given)
             if resolved.seed is None:
-                resolved.seed = secrets.randbits(63)
+                resolved.seed = self.new_seed()
         except ValueError as e:
-            self.send(DiffusionOutput(request_id, finished=True, error=str(e),
-                                      error_kind="invalid"))
+            self.fail([msg.request_id], e, "invalid")
             return
-        self.scheduler.add(DiffusionRequest(request_id, prompt, resolved, input_images=images))
+        self.scheduler.add(DiffusionRequest(msg.request_id, msg.prompt, resolved,
+                                            input_images=msg.images))
 
-    def send(self, out: DiffusionOutput) -> None:
-        self.conn.send(out)
-
-    def fail(self, reqs: list[DiffusionRequest], exc: BaseException) -> None:
-        logger.error("diffusion requests %s failed:\n%s", [r.request_id for r in reqs],
-                     "".join(traceback.format_exception(exc)))
-        for r in reqs:
-            self.scheduler.finish(r)
-            self._last_progress.pop(r.request_id, None)
-            self.send(DiffusionOutput(r.request_id, finished=True, error=repr(exc),
-                                      error_kind="internal"))
+    def drop(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._last_progress.pop(request_id, None)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -180,20 +153,20 @@ class EngineCore:
             try:
                 self.adapter.encode(admitted)
             except Exception as e:
-                self.fail(admitted, e)
+                self.fail([r.request_id for r in admitted], e, "internal")
                 admitted = []
             for r in admitted:
                 try:
                     self.adapter.prepare(r)
                 except Exception as e:
-                    self.fail([r], e)
+                    self.fail([r.request_id], e, "internal")
         batch = self.scheduler.pick_batch()
         if batch:
             start = time.perf_counter()
             try:
                 self.adapter.denoise(batch)
             except Exception as e:
-                self.fail(batch, e)
+                self.fail([r.request_id for r in batch], e, "internal")
             else:
                 if self.scheduler.sizer is not None and self.adapter.step_level:
                     images = sum(r.params.num_images for r in batch)
@@ -203,7 +176,8 @@ class EngineCore:
                     last = self._last_progress.get(r.request_id, r.arrival_time)
                     if not r.denoised and now - last >= self.progress_interval:
                         self._last_progress[r.request_id] = now
-                        self.send(DiffusionOutput(r.request_id, r.step, r.num_steps))
+                        self.send(DiffusionOutput(r.request_id, step=r.step,
+                                                  num_steps=r.num_steps))
         for group in self.scheduler.denoised():
             self.finish(group)
 
@@ -213,17 +187,12 @@ class EngineCore:
             if not latent_only:
                 self.adapter.decode(group)
         except Exception as e:
-            self.fail(group, e)
+            self.fail([r.request_id for r in group], e, "internal")
             return
         for r in group:
-            self.scheduler.finish(r)
-            self._last_progress.pop(r.request_id, None)
+            self.drop(r.request_id)
             self.send(DiffusionOutput(
-                r.request_id, r.num_steps, r.num_steps, finished=True, images=r.images,
-                latents=self.connector.put({"latents": r.latents}) if latent_only else None,
-                seed=r.params.seed, cache=r.cache_stats(),
+                r.request_id, finished=True, seed=r.params.seed, step=r.num_steps,
+                num_steps=r.num_steps, images=r.images, cache=r.cache_stats(),
+                handle=self.connector.put({"latents": r.latents}) if latent_only else None,
             ))
-
-
-def run_engine_core(model: str, options: EngineOptions, conn: Connection) -> None:
-    serve_core(lambda: EngineCore(model, options, conn), conn, "DiffusionCore")

@@ -6,12 +6,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import prometheus_client
 import torch
 
+from vllm_omni.config.kinds import StartContext
+from vllm_omni.config.memory import RUNTIME, TORCH_BYTES, StagePlan, read_config, weights_bytes
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.diffusion.client import AsyncDiffusionEngine
 from vllm_omni.engine.diffusion.core import EngineOptions
@@ -72,17 +75,78 @@ def to_pil(image: np.ndarray):
 
 
 class DiffusionStage(EngineStage):
-    def __init__(
-        self,
-        config: StageConfig,
-        model: str,
-        engine_kwargs: dict[str, Any],
-        cache_config: dict[str, Any] | None = None,
-    ) -> None:
+    """A stage run by our diffusion engine: a diffusers pipeline, batched step by step."""
+
+    outputs: ClassVar[frozenset[str]] = frozenset({"image", "latent"})
+
+    # -- the kind ------------------------------------------------------------------------
+
+    @classmethod
+    def check_engine_args(cls, args: dict[str, Any]) -> None:
+        unknown = sorted(set(args) - _OPTION_NAMES)
+        if unknown:
+            raise ValueError(f"unknown diffusion engine options {unknown}")
+
+    @classmethod
+    def check_sampling_params(cls, params: dict[str, Any]) -> None:
+        DiffusionParams.parse(params)  # raises, naming the field, when a value is wrong
+
+    @classmethod
+    def placement_problems(cls, config: StageConfig, device: str,
+                           ar_device_type: str) -> list[str]:
+        offload = config.engine_args.get("offload")
+        if offload is not None and not device.startswith("cuda"):
+            return [f"stage {config.name!r}: offload {offload!r} moves weights between a GPU "
+                    f"and the CPU; this stage runs on {device}"]
+        return []
+
+    @classmethod
+    def memory_needs(cls, config: StageConfig, context: StartContext, device: str) -> StagePlan:
+        """Its weights at the engine's dtype, and the activations of a full batch at the
+        model's default resolution. An estimate: the larger of the transformer's (16
+        hidden-sized tensors per token, both guidance branches) and the VAE decoder's (3
+        tensors of its first block's channels per pixel)."""
+        options = engine_options(config, context.engine_kwargs, context.cache_config)
+        itemsize = TORCH_BYTES.get(options.dtype, 4)
+        root = Path(config.model or context.model)
+        dit = read_config(root / "transformer" / "config.json") or read_config(
+            root / "unet" / "config.json")
+        vae = read_config(root / "vae" / "config.json")
+        inner = (dit.get("num_attention_heads", 0) * dit.get("attention_head_dim", 0)
+                 or dit.get("hidden_size") or dit.get("inner_dim") or 1024)
+        if "temperal_downsample" in vae:  # Qwen-Image's and Wan's VAEs
+            scale, channels = 2 ** len(vae["temperal_downsample"]), vae.get("base_dim", 96)
+        else:
+            channels = (vae.get("block_out_channels") or [128])[0]
+            scale = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
+        latent_side = dit.get("sample_size") if isinstance(dit.get("sample_size"), int) else 128
+        side = vae.get("sample_size") or latent_side * scale
+        side = side[0] if isinstance(side, list) else side
+        patch = dit.get("patch_size") or 2
+        patch = max(patch[-1] if isinstance(patch, list) else patch, 2)  # Flux packs 2 x 2
+        tokens = (side // scale // patch) ** 2
+        per_image = max(2 * tokens * inner * itemsize * 16, side * side * channels * 3 * itemsize)
+        weights = weights_bytes(str(root), None, itemsize)
+        if options.offload:  # the device holds one model, or one block, at a time
+            weights = max((weights_bytes(str(p), None, itemsize) for p in root.iterdir()
+                           if p.is_dir()), default=weights)
+        return StagePlan(
+            stage=config.name, engine=config.engine, device=device, weights=weights,
+            kv_cache=0, activations=per_image * options.max_batch_size,
+            runtime=int(RUNTIME[("other", device[:4])]),
+        )
+
+    @classmethod
+    def start(cls, config: StageConfig, context: StartContext) -> DiffusionStage:
+        return cls(config, context)
+
+    # -- the stage -----------------------------------------------------------------------
+
+    def __init__(self, config: StageConfig, context: StartContext) -> None:
         self.config = config
         self.name = config.name
-        options = engine_options(config, engine_kwargs, cache_config)
-        self.engine = AsyncDiffusionEngine(config.model or model, options)
+        options = engine_options(config, context.engine_kwargs, context.cache_config)
+        self.engine = AsyncDiffusionEngine(config.model or context.model, options)
         logger.info("stage %r serves %s", self.name, self.engine.info)
 
     def sampling_params(self, given: DiffusionParams | dict[str, Any] | None) -> DiffusionParams:
@@ -90,15 +154,21 @@ class DiffusionStage(EngineStage):
             return given
         return DiffusionParams.parse(given or {})
 
-    async def render(self, prompts: list[Any]) -> list[Any]:
-        return list(prompts)  # tokenization happens in the engine core, batched
-
     async def generate(
-        self, request_id: str, prompt: Any, params: DiffusionParams
+        self,
+        request_id: str,
+        prompt: Any,
+        params: DiffusionParams,
+        *,
+        input_complete: bool = True,
+        keep_hidden_states: bool = False,
     ) -> AsyncIterator[OmniRequestOutput]:
+        if not input_complete:
+            raise ValueError(f"stage {self.name!r} takes no streamed input")
         text, images = split_prompt(prompt)
         steps_seen = 0
-        async for out in self.engine.generate(request_id, text, params, images):
+        given = params.model_dump(exclude_unset=True)
+        async for out in self.engine.generate(request_id, text, given, images):
             STEPS.labels(self.name).inc(out.step - steps_seen)
             steps_seen = out.step
             result = OmniRequestOutput(
@@ -114,7 +184,7 @@ class DiffusionStage(EngineStage):
                 result.images = [to_pil(i) for i in out.images or []]
                 if out.images is not None:  # the exact float images, beside the 8-bit PIL ones
                     result.tensors = {"images": torch.from_numpy(np.stack(out.images))}
-                if out.latents is not None:  # resolved only where a caller receives them
-                    result.tensor_handles = {"latents": out.latents}
+                if out.handle is not None:  # resolved only where a caller receives them
+                    result.tensor_handles = {"latents": out.handle}
                 IMAGES.labels(self.name).inc(params.num_images)
             yield result

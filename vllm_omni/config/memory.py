@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_omni.config.kinds import StartContext, stage_kind
 from vllm_omni.config.placement import GIB, PlacementError, device_problems, stage_device
 from vllm_omni.config.schema import PipelineConfig, StageConfig
 from vllm_omni.errors import StageStartError
@@ -34,13 +35,13 @@ logger = logging.getLogger(__name__)
 
 MIB = 1 << 20
 HEADROOM = 0.10  # of what is free at start-up, left to everything else on the device
-# The engine processes' own memory (libraries, allocator pools, a CUDA context). On CPU
-# measured here: a vLLM engine core and its worker ~1.5 GiB, a diffusers core ~0.6 GiB.
+# The engine processes' own memory (libraries, allocator pools, a CUDA context), by engine
+# ("ar": vLLM's core and worker; "other": one of our cores) and device type; measured.
 RUNTIME = {("ar", "cpu"): 1.5 * GIB, ("ar", "cuda"): 1.0 * GIB,
            ("other", "cpu"): 0.6 * GIB, ("other", "cuda"): 0.75 * GIB}
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
                 "BF16": 2, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-_TORCH_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+TORCH_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 
 
 @dataclasses.dataclass
@@ -150,82 +151,9 @@ def weights_bytes(model: str, prefix: str | None = None, itemsize: int | None = 
     return total
 
 
-# -- what each stage kind needs -------------------------------------------------------------
-
-
-def plan_ar_stage(stage: StageConfig, engine_args: Any, device: str,
-                  usage_context: Any) -> StagePlan:
-    """An AR stage's needs, read from the vLLM config its engine args give."""
-    config = dataclasses.replace(engine_args).create_engine_config(usage_context)
-    model, sched = config.model_config, config.scheduler_config
-    itemsize = model.dtype.itemsize
-    cache_dtype = config.cache_config.cache_dtype
-    kv_item = itemsize if cache_dtype == "auto" else (1 if "fp8" in cache_dtype else 2)
-    parallel = config.parallel_config
-    per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
-                 * model.get_head_size() * kv_item)
-    hidden = model.get_hidden_size()
-    intermediate = getattr(model.hf_text_config, "intermediate_size", None) or 4 * hidden
-    activations = (sched.max_num_batched_tokens * (4 * hidden + 2 * intermediate) * itemsize
-                   + 2 * sched.max_num_seqs * model.get_vocab_size() * 4)
-    return StagePlan(
-        stage=stage.name, engine="ar", device=device,
-        weights=weights_bytes(model.model, stage.weights_prefix, itemsize),
-        kv_cache=0, activations=activations, runtime=int(RUNTIME[("ar", device[:4])]),
-        kv_wanted=per_token * model.max_model_len * sched.max_num_seqs,
-        kv_floor=per_token * model.max_model_len,
-    )
-
-
-def _read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
+    """A JSON config file's contents ({} when it is missing)."""
     return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def plan_diffusion_stage(stage: StageConfig, folder: str, options: Any, device: str) -> StagePlan:
-    """A diffusers pipeline: its weights at the engine's dtype, and the activations of a
-    full batch at the model's default resolution. An estimate: the larger of the
-    transformer's (16 hidden-sized tensors per token, both guidance branches) and the VAE
-    decoder's (3 tensors of its first block's channels per pixel)."""
-    itemsize = _TORCH_BYTES.get(options.dtype, 4)
-    root = Path(folder)
-    dit = _read_config(root / "transformer" / "config.json") or _read_config(
-        root / "unet" / "config.json")
-    vae = _read_config(root / "vae" / "config.json")
-    inner = (dit.get("num_attention_heads", 0) * dit.get("attention_head_dim", 0)
-             or dit.get("hidden_size") or dit.get("inner_dim") or 1024)
-    if "temperal_downsample" in vae:  # Qwen-Image's and Wan's VAEs
-        scale, channels = 2 ** len(vae["temperal_downsample"]), vae.get("base_dim", 96)
-    else:
-        channels = (vae.get("block_out_channels") or [128])[0]
-        scale = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
-    latent_side = dit.get("sample_size") if isinstance(dit.get("sample_size"), int) else 128
-    side = vae.get("sample_size") or latent_side * scale
-    side = side[0] if isinstance(side, list) else side
-    patch = dit.get("patch_size") or 2
-    patch = max(patch[-1] if isinstance(patch, list) else patch, 2)  # Flux packs 2 x 2
-    tokens = (side // scale // patch) ** 2
-    per_image = max(2 * tokens * inner * itemsize * 16, side * side * channels * 3 * itemsize)
-    weights = weights_bytes(folder, None, itemsize)
-    if options.offload:  # the device holds one model, or one block, at a time
-        weights = max((weights_bytes(str(p), None, itemsize) for p in root.iterdir()
-                       if p.is_dir()), default=weights)
-    return StagePlan(
-        stage=stage.name, engine=stage.engine, device=device, weights=weights, kv_cache=0,
-        activations=per_image * options.max_batch_size,
-        runtime=int(RUNTIME[("other", device[:4])]),
-    )
-
-
-def plan_code2wav_stage(stage: StageConfig, folder: str, options: Any, device: str) -> StagePlan:
-    """Token2wav: its weights (fp32, as HF runs it) and a batch of mel frames through the DiT
-    and the vocoder (an estimate: 64 KiB per frame)."""
-    prefix = stage.weights_prefix or "token2wav."
-    return StagePlan(
-        stage=stage.name, engine=stage.engine, device=device,
-        weights=weights_bytes(folder, prefix, _TORCH_BYTES.get(options.dtype, 4)),
-        kv_cache=0, activations=options.max_batch_frames * 64 * 1024,
-        runtime=int(RUNTIME[("other", device[:4])]),
-    )
 
 
 # -- the plan --------------------------------------------------------------------------------
@@ -259,7 +187,7 @@ def _user_budget(stage: StageConfig, plan: StagePlan, given: dict[str, Any],
     name = repr(stage.name)
     memory = stage.placement.memory_gib if stage.placement else None
     env_kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE") if plan.device == "cpu" else None
-    if stage.engine != "ar":
+    if not stage_kind(stage.engine).autoregressive:  # no KV cache to size
         if memory is not None:
             plan.source = "placement.memory_gib"
             plan.activations = max(int(memory * GIB) - plan.weights, 0)
@@ -326,22 +254,15 @@ def plan_pipeline(
     devices and memory, or StageStartError naming every stage whose config is unusable."""
     from vllm.platforms import current_platform
 
-    from vllm_omni.engine.ar.stage import stage_engine_args
-    from vllm_omni.engine.code2wav.stage import code2wav_options
-    from vllm_omni.engine.diffusion.stage import engine_options
+    context = StartContext(model, engine_kwargs, usage_context, cache_config)
 
     def need(stage: StageConfig, device: str) -> StagePlan:
-        folder = stage.model or model
-        if stage.engine == "diffusion":
-            options = engine_options(stage, engine_kwargs, cache_config)
-            return plan_diffusion_stage(stage, folder, options, device)
-        if stage.engine == "code2wav":
-            return plan_code2wav_stage(stage, folder, code2wav_options(stage), device)
-        args = stage_engine_args(model, stage, engine_kwargs)
-        return plan_ar_stage(stage, args, device, usage_context)
+        return stage_kind(stage.engine).memory_needs(stage, context, device)
 
     def given(stage: StageConfig) -> dict[str, Any]:
-        return {**stage.engine_args, **engine_kwargs} if stage.engine == "ar" else {}
+        if not stage_kind(stage.engine).autoregressive:
+            return {}
+        return {**stage.engine_args, **engine_kwargs}
 
     return plan_memory(pipeline, ar_device_type or current_platform.device_type, need, given)
 
@@ -395,7 +316,7 @@ def plan_memory(
     if problems:
         raise PlacementError("the pipeline's memory plan cannot fit:\n  " + "\n  ".join(problems))
     for p in plans:
-        if p.engine != "ar":
+        if not stage_kind(p.engine).autoregressive:
             continue
         if p.source in ("planned", "placement.memory_gib"):
             p.engine_args["kv_cache_memory_bytes"] = p.kv_cache
