@@ -241,7 +241,7 @@ def test_reuse_across_batches_of_other_text_lengths(tmp_path):
     from vllm_omni.engine.diffusion.request import DiffusionRequest
 
     pipe = DiffusionPipeline.from_pretrained(make_tiny("qwen-image-tiny", tmp_path / "q"))
-    adapter = adapter_for(pipe)
+    adapter = adapter_for(pipe, "cpu")
     cache = {"method": "block", **ALWAYS}
 
     def request(rid: str, prompt: str, seed: int) -> DiffusionRequest:

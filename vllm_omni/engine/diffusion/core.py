@@ -99,7 +99,7 @@ class DiffusionCore(CoreBase):
                                       offload_type="leaf_level", use_stream=True)
         else:
             pipe.to(options.device)
-        self.adapter = adapter_for(pipe)
+        self.adapter = adapter_for(pipe, options.device)
         self.defaults = options.defaults
         if self.defaults.get("cache") is not None:
             # The server-wide cache setting must fit the model: fail at start, not per request.

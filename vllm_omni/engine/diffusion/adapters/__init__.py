@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from vllm_omni.engine.diffusion.adapters.base import StepAdapter
 from vllm_omni.engine.diffusion.adapters.flux import FluxAdapter
 from vllm_omni.engine.diffusion.adapters.qwen_image import QwenImageAdapter
@@ -18,9 +20,10 @@ STEP_ADAPTERS: dict[str, type[StepAdapter]] = {
 }
 
 
-def adapter_for(pipe: Any) -> StepAdapter | WholeRequestAdapter:
+def adapter_for(pipe: Any, device: str | torch.device) -> StepAdapter | WholeRequestAdapter:
+    """The adapter for `pipe`, whose models run on `device` (also when offloaded between uses)."""
     cls = STEP_ADAPTERS.get(type(pipe).__name__)
-    return cls(pipe) if cls else WholeRequestAdapter(pipe)
+    return cls(pipe, device) if cls else WholeRequestAdapter(pipe)
 
 
 __all__ = ["STEP_ADAPTERS", "StepAdapter", "WholeRequestAdapter", "adapter_for"]

@@ -40,9 +40,12 @@ class StepAdapter:
     step_level = True
     takes_images = False  # text to image; an edit adapter would take input images
 
-    def __init__(self, pipe: Any) -> None:
+    def __init__(self, pipe: Any, device: str | torch.device) -> None:
         self.pipe = pipe
-        self.device = pipe._execution_device
+        # Where the models run, from the engine: diffusers says it only through a private
+        # property, and the public `pipe.device` is the weights' resting place, the CPU, when
+        # they are offloaded.
+        self.device = torch.device(device)
         self.dtype = pipe.transformer.dtype
         call = inspect.signature(type(pipe).__call__).parameters
         # The size the model was trained at, where its VAE records it (real Flux / SD3 VAEs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vllm_omni.engine.diffusion.adapters.base import StepAdapter
@@ -11,8 +13,8 @@ from vllm_omni.engine.diffusion.request import DiffusionRequest
 class FluxAdapter(StepAdapter):
     family = "flux"
 
-    def __init__(self, pipe) -> None:
-        super().__init__(pipe)
+    def __init__(self, pipe: Any, device: str | torch.device) -> None:
+        super().__init__(pipe, device)
         # A model whose T5 tokenizer says it takes fewer tokens than the pipeline's default
         # (512) was trained with that many: pad to it, not to 512.
         self.max_sequence_length = min(

@@ -1,21 +1,25 @@
 """Step caching for a batch of independent requests: per-row decisions, per-request state.
 
-Each transformer block of the pipeline is wrapped once. While a step runs, every row of the
-batch (one image of one request in one guidance branch) has its own `CacheSlot`; at the
-row's first cacheable block the slot decides whether to reuse, and from there to the end of
-its span the row is left out of the block calls (the rows that compute run as a smaller
-batch). At the end of the span a reused row gets its input plus the cached (or forecast)
-residual; a computed row stores its new residual. Rows without a slot always compute, so
-requests with different settings, or none, share one batched call.
+Each transformer block of the pipeline gets one diffusers hook (`diffusers.hooks`), so the
+blocks stay in their lists, with their own attributes and state-dict keys. While a step runs,
+every row of the batch (one image of one request in one guidance branch) has its own
+`CacheSlot`; at the row's first cacheable block the slot decides whether to reuse, and from
+there to the end of its span the row is left out of the block calls (the rows that compute
+run as a smaller batch). At the end of the span a reused row gets its input plus the cached
+(or forecast) residual; a computed row stores its new residual. Rows without a slot always
+compute, so requests with different settings, or none, share one batched call.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
 from torch import nn
 
 from vllm_omni.engine.diffusion.cache.config import CacheConfig
@@ -24,6 +28,7 @@ from vllm_omni.engine.diffusion.cache.config import CacheConfig
 # shared by the whole batch.
 _BATCHED = ("hidden_states", "encoder_hidden_states", "temb", "encoder_hidden_states_mask")
 _BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
+HOOK_NAME = "vllm_omni_step_cache"
 
 
 class CacheSlot:
@@ -106,46 +111,53 @@ class _Step:
     span_inputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
 
 
-class _CachedBlock(nn.Module):
-    def __init__(self, block: nn.Module, index: int, manager: DiTCacheManager) -> None:
+class _StepCacheHook(ModelHook):
+    """Sends one block's calls through its manager, which may skip rows or the whole call."""
+
+    def __init__(self, index: int, manager: DiTCacheManager) -> None:
         super().__init__()
-        self.block = block
         self.index = index
-        # Not a submodule: the manager owns the blocks, not the other way round.
-        self.__dict__["manager"] = manager
+        self.manager = manager
+        self._signature: inspect.Signature | None = None
 
-    def forward(self, **kwargs):
-        return self.manager.run(self.index, self.block, kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            # The transformer reads block attributes (e.g. SD3's context_pre_only).
-            return getattr(super().__getattr__("block"), name)
+    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            # The manager picks the per-row tensors by name. diffusers' transformers pass them
+            # by keyword except under gradient checkpointing, which passes them by position.
+            if self._signature is None:
+                self._signature = inspect.signature(self.fn_ref.original_forward)
+            kwargs = self._signature.bind(*args, **kwargs).arguments
+        return self.manager.run(self.index, self.fn_ref.original_forward, kwargs)
 
 
 ModulatedInput = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DiTCacheManager:
-    """Wraps a transformer's blocks so each transformer call can skip them row by row.
+    """Hooks a transformer's blocks so each transformer call can skip them row by row.
 
     `unsupported` says why a transformer cannot be cached (None when it can).
     """
 
     def __init__(self, transformer: nn.Module, modulated_input: ModulatedInput) -> None:
         self.modulated_input = modulated_input
-        self.num_blocks = 0
+        self._blocks: list[nn.Module] = []
         self._active: _Step | None = None
         self.unsupported = self._why_not(transformer)
         if self.unsupported:
             return
         for name in _BLOCK_LISTS:
-            blocks = getattr(transformer, name, None)
-            for j, block in enumerate(blocks or []):
-                blocks[j] = _CachedBlock(block, self.num_blocks, self)
-                self.num_blocks += 1
+            for block in getattr(transformer, name, None) or []:
+                registry = HookRegistry.check_if_exists_or_initialize(block)
+                # A second adapter on the same pipeline takes the blocks over; two hooks
+                # would both run the cache logic on one call.
+                registry.remove_hook(HOOK_NAME, recurse=False)
+                registry.register_hook(_StepCacheHook(len(self._blocks), self), HOOK_NAME)
+                self._blocks.append(block)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
 
     @staticmethod
     def _why_not(transformer: nn.Module) -> str | None:
@@ -183,26 +195,27 @@ class DiTCacheManager:
         finally:
             self._active = None
 
-    def run(self, index: int, block: nn.Module, kwargs: dict):
+    def run(self, index: int, forward: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        """Block `index`'s call: `forward` (the block's own) on the rows that compute."""
         step = self._active
         if step is None:
-            return block(**kwargs)
+            return forward(**kwargs)
         hidden, encoder = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
         if index == 0:
             step.first_input = hidden
         starting = [r for r, (start, _) in enumerate(step.spans) if start == index]
         if starting:
-            self._decide(step, starting, block, kwargs)
+            self._decide(step, starting, self._blocks[index], kwargs)
         skipped = [
             r for r, (start, end) in enumerate(step.spans)
             if step.reuse[r] and start <= index < end
         ]
         if not skipped:
-            encoder_out, hidden_out = block(**kwargs)
+            encoder_out, hidden_out = forward(**kwargs)
         elif len(skipped) == len(step.slots):
             encoder_out, hidden_out = encoder, hidden
         else:
-            encoder_out, hidden_out = self._run_rows(block, kwargs, skipped)
+            encoder_out, hidden_out = self._run_rows(forward, kwargs, skipped)
         ending = [r for r, (_, end) in enumerate(step.spans) if end - 1 == index]
         if ending:
             encoder_out, hidden_out = self._end_span(step, ending, encoder_out, hidden_out)
@@ -223,8 +236,8 @@ class DiTCacheManager:
             step.span_inputs[r] = (hidden[r], None if encoder is None else encoder[r])
 
     @staticmethod
-    def _run_rows(block, kwargs: dict, skipped: list[int]):
-        """Run `block` on the rows not skipped; skipped rows pass through unchanged."""
+    def _run_rows(forward, kwargs: dict, skipped: list[int]):
+        """Run `forward` on the rows not skipped; skipped rows pass through unchanged."""
         hidden, encoder = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
         keep = torch.tensor(
             [r for r in range(hidden.shape[0]) if r not in skipped], device=hidden.device
@@ -233,7 +246,7 @@ class DiTCacheManager:
             k: v.index_select(0, keep) if k in _BATCHED and isinstance(v, torch.Tensor) else v
             for k, v in kwargs.items()
         }
-        encoder_part, hidden_part = block(**sub)
+        encoder_part, hidden_part = forward(**sub)
         hidden_out = hidden.index_copy(0, keep, hidden_part)
         encoder_out = None if encoder_part is None else encoder.index_copy(0, keep, encoder_part)
         return encoder_out, hidden_out
