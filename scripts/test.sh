@@ -12,4 +12,12 @@ if [ ! -x /usr/bin/chromium ]; then
 fi
 cd "$root"
 ruff check vllm_omni tests benchmarks scripts
-exec python -m pytest -v "$@"
+# Line coverage of vllm_omni over the whole suite, servers and engine processes included
+# (pyproject.toml's [tool.coverage]); the report and its total are printed at the end.
+python -m coverage erase
+status=0
+python -m coverage run -m pytest -v "$@" || status=$?
+python -m coverage combine -q || true
+python -m coverage report || true
+echo "coverage of vllm_omni (every process of the suite): $(python -m coverage report --format=total)%"
+exit "$status"

@@ -1,4 +1,4 @@
-"""OmniDiffusionScheduler: step-level continuous batching for diffusion requests.
+"""DiffusionScheduler: step-level continuous batching for diffusion requests.
 
 Each engine step the scheduler picks one batch of requests to advance by one denoising step.
 Requests join the running set between steps and leave it when denoised, so a new request
