@@ -78,6 +78,9 @@ class ShoutStage(EngineStage):
     async def check_health(self) -> None:
         return None
 
+    async def ping(self) -> None:
+        return None
+
     @property
     def errored(self) -> bool:
         return False

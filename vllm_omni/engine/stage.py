@@ -58,10 +58,15 @@ class Stage(Protocol):
     async def check_health(self) -> None:
         """Raises when the stage's engine is dead."""
 
+    async def ping(self) -> None:
+        """Returns once the engine's loop has answered: a watchdog's probe of a live but
+        possibly hung engine (it answers between steps)."""
+
     @property
     def errored(self) -> bool: ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Stop the engine and its processes; a hung one is killed."""
 
 
 class StageKind(Protocol):
@@ -130,6 +135,9 @@ class EngineStage:
 
     async def check_health(self) -> None:
         await self.engine.check_health()
+
+    async def ping(self) -> None:
+        await self.engine.ping()
 
     @property
     def errored(self) -> bool:

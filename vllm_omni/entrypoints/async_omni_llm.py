@@ -7,6 +7,7 @@ It loads the pipeline for a model, starts it (orchestrator/), and offers what ca
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import uuid
@@ -40,6 +41,10 @@ class AsyncOmniLLM:
         pipeline: an already loaded pipeline config (instead of `stage_configs_path`).
         cache_config: step caching for every diffusion stage (CacheConfig's fields, over
             the stage's own); requests may override it field by field.
+        stage_restarts: how many times a stage whose engine dies (or hangs) is restarted;
+            0: never (orchestrator/supervisor.py).
+        stage_hang_timeout: seconds a stage's engine may leave a probe unanswered before
+            it counts as hung; None: dead engines only.
         **engine_kwargs: vLLM engine args applied to every AR stage (dtype, max_model_len...);
             diffusion stages take the ones that apply to them (dtype).
     """
@@ -52,6 +57,8 @@ class AsyncOmniLLM:
         pipeline: PipelineConfig | None = None,
         usage_context: UsageContext = UsageContext.OPENAI_API_SERVER,
         cache_config: dict[str, Any] | None = None,
+        stage_restarts: int = 3,
+        stage_hang_timeout: float | None = 120.0,
         **engine_kwargs: Any,
     ) -> None:
         self.model = model
@@ -63,13 +70,21 @@ class AsyncOmniLLM:
         self.orchestrator = Orchestrator(self.pipeline, context)
         self.memory_plan = self.orchestrator.memory_plan
         self.stages: dict[str, Stage] = self.orchestrator.stages
+        self.order: list[StageConfig] = self.orchestrator.order  # stages, inputs first
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            logger.warning("AsyncOmniLLM built outside an event loop: stages are not "
+                           "supervised (dead or hung stages are not restarted)")
+        else:
+            self.orchestrator.supervise(stage_restarts, stage_hang_timeout)
 
     # -- which stage answers what ------------------------------------------------------------
 
     @property
     def entry_stage(self) -> Stage:
         """The stage that receives the user's prompt (renders chat, counts prompt tokens)."""
-        return self.stages[self.orchestrator.order[0].name]
+        return self.stages[self.order[0].name]
 
     @property
     def text_stage(self) -> Stage | None:
@@ -78,7 +93,7 @@ class AsyncOmniLLM:
         final = self._final_stage("text")
         if final is not None:
             return final
-        ar = [self.stages[s.name] for s in self.orchestrator.order
+        ar = [self.stages[s.name] for s in self.order
               if stage_kind(s.engine).autoregressive]
         return ar[0] if ar else None
 
@@ -92,7 +107,7 @@ class AsyncOmniLLM:
 
     def _final_stage(self, output: str) -> Stage | None:
         """The final stage with this output type (None when the pipeline makes none)."""
-        for s in self.orchestrator.order:
+        for s in self.order:
             if s.final_output and s.output == output:
                 return self.stages[s.name]
         return None

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vllm.v1.engine.exceptions import EngineDeadError
+
 from vllm_omni.config import PipelineConfig, StageConfig
 from vllm_omni.config.kinds import StartContext, stage_kind
 from vllm_omni.config.loader import load_function
@@ -22,6 +24,7 @@ from vllm_omni.config.schema import MODALITY_OF_OUTPUT
 from vllm_omni.engine.stage import Stage
 from vllm_omni.errors import StageStartError
 from vllm_omni.orchestrator.request import InputProcessor, RequestRun, stage_request_id
+from vllm_omni.orchestrator.supervisor import StageSupervisor
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -42,9 +45,12 @@ class Orchestrator:
     start) and runs requests over them."""
 
     def __init__(self, pipeline: PipelineConfig, context: StartContext) -> None:
+        self.context = context
+        self.supervisor: StageSupervisor | None = None
         self.pipeline = pipeline
         self.order = pipeline.topological_order()
         self.stages: dict[str, Stage] = {}
+        self.runs: set[RequestRun] = set()  # the requests in flight
         self.processors = {s.name: load_input_processor(s.input_processor)
                            for s in pipeline.stages if s.input_processor}
         # Before any engine starts: a plan that cannot fit fails here, all problems named.
@@ -133,25 +139,48 @@ class Orchestrator:
         (prompt,) = await self.stages[planned[0].name].render([prompt])
         run = RequestRun(request_id, self.pipeline, self.stages, self.processors, planned,
                          returned, prompt, params)
-        # Closed with this iterator, so a caller that stops reading stops the run at once.
-        async with contextlib.aclosing(run.outputs()) as outputs:
-            async for out in outputs:
-                yield out
+        self.runs.add(run)
+        try:
+            # Closed with this iterator, so a caller that stops reading stops the run at once.
+            async with contextlib.aclosing(run.outputs()) as outputs:
+                async for out in outputs:
+                    yield out
+        finally:
+            self.runs.discard(run)
+
+    def fail_stage(self, name: str, error: BaseException) -> None:
+        """Fail every request in flight in a stage (its engine is being replaced)."""
+        for run in list(self.runs):
+            run.fail_stage(name, error)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request in every stage (a no-op where it is not running)."""
         for name, stage in self.stages.items():
             await stage.abort(stage_request_id(request_id, name))
 
+    def supervise(self, restarts: int, hang_timeout: float | None) -> None:
+        """Restart stages that die or hang (see supervisor.py); needs a running loop."""
+        self.supervisor = StageSupervisor(self, self.context, restarts, hang_timeout)
+        self.supervisor.start()
+
     async def check_health(self) -> None:
+        """Raises while a stage is dead, restarting, or down for good."""
+        problem = self.supervisor.problem() if self.supervisor else None
+        if problem:
+            raise EngineDeadError(problem)
         for stage in self.stages.values():
             await stage.check_health()
 
     @property
     def errored(self) -> bool:
+        """True while some stage cannot serve (dead, restarting or down)."""
+        if self.supervisor is not None and self.supervisor.problem():
+            return True
         return any(s.errored for s in self.stages.values())
 
     def shutdown(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for stage in self.stages.values():
             stage.shutdown()
         self.stages.clear()

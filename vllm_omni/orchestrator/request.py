@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,6 +21,8 @@ from vllm_omni.config import PipelineConfig, StageConfig
 from vllm_omni.engine.stage import Stage
 from vllm_omni.errors import StageError
 from vllm_omni.outputs import OmniRequestOutput
+
+logger = logging.getLogger(__name__)
 
 TENSOR_OUTPUTS = {"hidden_states", "latent"}
 InputProcessor = Callable[[dict[str, OmniRequestOutput], Any, Stage, dict[str, Any]], Any]
@@ -81,6 +84,7 @@ class RequestRun:
         self.finished: dict[str, OmniRequestOutput] = {}
         self.started: set[str] = set()
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: dict[str, asyncio.Task] = {}
         # Seconds each stage took, filled as stages finish; every output carries this one
         # dict, so a caller that read the whole request sees every stage's.
         self.stage_seconds: dict[str, float] = {}
@@ -90,8 +94,8 @@ class RequestRun:
     async def outputs(self) -> AsyncIterator[OmniRequestOutput]:
         """The returned stages' outputs as they come; raises StageError for a failed stage."""
         # Independent stages (fan-out branches, or the inputs of a fan-in) run concurrently.
-        tasks = [asyncio.create_task(self.run_stage(s)) for s in self.planned]
-        remaining = len(tasks)
+        self.tasks = {s.name: asyncio.create_task(self.run_stage(s)) for s in self.planned}
+        remaining = len(self.tasks)
         try:
             while remaining:
                 item = await self.queue.get()
@@ -102,7 +106,7 @@ class RequestRun:
                 else:
                     yield item
         finally:
-            await self.stop(tasks)
+            await self.stop()
 
     async def run_stage(self, config: StageConfig) -> None:
         """One stage of this request, from its input to its finished output."""
@@ -183,13 +187,24 @@ class RequestRun:
             return out
         return dataclasses.replace(out, tensor_handles={})
 
-    async def stop(self, tasks: list[asyncio.Task]) -> None:
-        """Cancelled, closed, failed or done: stop every stage still holding the request."""
-        for task in tasks:
+    def fail_stage(self, name: str, error: BaseException) -> None:
+        """End the request with `error` as the stage's, if that stage still holds it (its
+        engine is gone, and may never answer for it)."""
+        task = self.tasks.get(name)
+        if task is not None and not task.done():
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            self.queue.put_nowait(StageError(name, error))
+
+    async def stop(self) -> None:
+        """Cancelled, closed, failed or done: stop every stage still holding the request."""
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         for name in self.started - {n for n, e in self.done.items() if e.is_set()}:
-            await self.stages[name].abort(stage_request_id(self.request_id, name))
+            try:
+                await self.stages[name].abort(stage_request_id(self.request_id, name))
+            except Exception as e:  # a dead engine holds nothing to abort
+                logger.debug("abort of %r in stage %r: %s", self.request_id, name, e)
         # Payloads no stage read (a consumer failed or was cancelled first) are freed.
         for out in self.finished.values():
             out.discard_tensors()

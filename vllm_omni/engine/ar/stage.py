@@ -245,6 +245,10 @@ class ARStage(EngineStage):
                 await self.engine.collective_rpc("drop_hidden_states", args=(request_id,))
             raise
 
+    async def ping(self) -> None:
+        # A utility call: vLLM's engine core answers it from its busy loop, between steps.
+        await self.engine.is_sleeping()
+
     async def _take_hidden_states(self, key: str) -> dict[str, Any]:
         replies = await self.engine.collective_rpc("take_hidden_states", args=(key,))
         found = [r for r in replies if r is not None]

@@ -12,6 +12,7 @@ from vllm_omni.engine.runtime.messages import (
     AddRequest,
     CoreOutput,
     ExtendRequest,
+    Ping,
     Shutdown,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "EngineClient",
     "EngineStartError",
     "ExtendRequest",
+    "Ping",
     "Shutdown",
 ]

@@ -8,6 +8,7 @@ outputs off the pipe and hands each to the event loop of the request it belongs 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing
 import threading
 import time
@@ -22,6 +23,7 @@ from vllm_omni.engine.runtime.messages import (
     AddRequest,
     CoreOutput,
     ExtendRequest,
+    Ping,
     Ready,
     Shutdown,
 )
@@ -48,6 +50,7 @@ class EngineClient:
         self._send_lock = threading.Lock()
         self._requests: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._dead: str | None = None
+        self._pings = itertools.count()
         self.info: dict[str, Any] = self._wait_ready()
         self._reader = threading.Thread(target=self._read, name=f"{self.name}-reader",
                                         daemon=True)
@@ -134,6 +137,22 @@ class EngineClient:
     async def abort(self, request_id: str) -> None:
         if not self._dead:
             self._send(AbortRequest(request_id))
+
+    async def ping(self) -> None:
+        """Returns once the core's loop has answered (after the step it is in)."""
+        ping_id = f"ping-{next(self._pings)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._requests[ping_id] = (asyncio.get_running_loop(), queue)
+        try:
+            self._send(Ping(ping_id))
+            if await queue.get() is None:
+                raise EngineDeadError(self._dead)
+        finally:
+            self._requests.pop(ping_id, None)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
 
     @property
     def errored(self) -> bool:

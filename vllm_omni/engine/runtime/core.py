@@ -23,6 +23,7 @@ from vllm_omni.engine.runtime.messages import (
     CoreOutput,
     ErrorKind,
     ExtendRequest,
+    Ping,
     Ready,
     Shutdown,
     StartFailed,
@@ -73,6 +74,8 @@ class CoreBase:
             self.extend(msg)
         elif isinstance(msg, AbortRequest):
             self.drop(msg.request_id)
+        elif isinstance(msg, Ping):
+            self.send(CoreOutput(msg.request_id, finished=True))
         elif isinstance(msg, Shutdown):
             self.running = False
         else:
@@ -102,7 +105,11 @@ class CoreBase:
 def serve(core_class: type[CoreBase], model: str, options: Any, conn: Connection) -> None:
     """Process entry point: build the core, report ready (or why not), serve until shutdown
     or until the client goes away."""
+    import setproctitle
+
     name = core_class.__name__
+    # Named in `ps` and `top`, as vLLM names its own engine processes.
+    setproctitle.setproctitle(f"vllm-omni::{name}")
     logging.basicConfig(level=logging.INFO, format=f"({name} pid={os.getpid()}) %(message)s")
     try:
         core = core_class(model, options, conn)

@@ -34,6 +34,14 @@ class Shutdown:
 
 
 @dataclass
+class Ping:
+    """Answered by the core's loop between steps with a CoreOutput for `request_id`: proof
+    that the loop still runs (a watchdog's probe)."""
+
+    request_id: str
+
+
+@dataclass
 class Ready:
     """The core is built; `info` describes what it serves."""
 

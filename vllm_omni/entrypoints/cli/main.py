@@ -49,6 +49,20 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         "answered 504 (an error event in a stream). Default: no limit.",
     )
     parser.add_argument(
+        "--stage-restarts",
+        type=int,
+        default=3,
+        help="Times a stage whose engine dies or hangs is restarted (its requests in flight "
+        "fail naming it; /health is 503 meanwhile). 0: never.",
+    )
+    parser.add_argument(
+        "--stage-hang-timeout",
+        type=float,
+        default=120.0,
+        help="Seconds a stage's engine may leave a liveness probe unanswered before it counts "
+        "as hung and is restarted (it answers between steps). 0: only dead engines.",
+    )
+    parser.add_argument(
         "--max-request-body-mb",
         type=float,
         default=64.0,  # room for a few images or a minute of audio as base64

@@ -1,0 +1,100 @@
+"""Stage supervision: a stage whose engine died, or stopped answering, is restarted.
+
+Every `interval` seconds each stage is checked: `errored` (its process is gone) or, with a
+hang timeout, a `ping` its engine's loop does not answer in time (alive but stuck; the
+stage is then shut down, which kills its processes). Either way the stage's in-flight
+requests fail naming it (its engine client raises for them), health reports it while it
+restarts, and it is started again from its config, up to `restarts` times per stage; past
+that it stays down and health keeps saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from vllm_omni.config.kinds import StartContext, stage_kind
+
+if TYPE_CHECKING:
+    from vllm_omni.orchestrator.orchestrator import Orchestrator
+
+logger = logging.getLogger(__name__)
+
+
+class StageSupervisor:
+    def __init__(self, orchestrator: Orchestrator, context: StartContext, restarts: int,
+                 hang_timeout: float | None, interval: float = 1.0) -> None:
+        self.orchestrator = orchestrator
+        self.context = context
+        self.restarts_left = {name: restarts for name in orchestrator.stages}
+        self.hang_timeout = hang_timeout or None
+        self.interval = interval
+        self.restarting: set[str] = set()
+        self.down: dict[str, str] = {}  # stage -> why, once it has no restarts left
+        self.restarts: dict[str, int] = {name: 0 for name in orchestrator.stages}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._watch(), name="supervisor")
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def problem(self) -> str | None:
+        """Why the pipeline is not healthy now (None when it is)."""
+        if self.down:
+            return "; ".join(f"stage {n!r} is down: {why}" for n, why in self.down.items())
+        if self.restarting:
+            return f"restarting stages {sorted(self.restarting)}"
+        return None
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            for name, stage in list(self.orchestrator.stages.items()):
+                if name in self.restarting or name in self.down:
+                    continue
+                why = None
+                if stage.errored:
+                    why = "its engine died"
+                elif self.hang_timeout is not None:
+                    try:
+                        await asyncio.wait_for(stage.ping(), self.hang_timeout)
+                    except TimeoutError:
+                        why = f"its engine did not answer for {self.hang_timeout:g} s"
+                    except Exception as e:  # died while probed: the next round sees it
+                        logger.debug("ping of stage %r failed: %s", name, e)
+                if why is not None:
+                    await self._restart(name, why)
+
+    async def _restart(self, name: str, why: str) -> None:
+        # A hung engine would never answer for them: its requests fail now, named.
+        self.orchestrator.fail_stage(name, EngineDeadError(why))
+        if self.restarts_left[name] <= 0:
+            logger.error("Stage %r: %s; no restarts left (--stage-restarts)", name, why)
+            self.down[name] = why
+            await asyncio.to_thread(self.orchestrator.stages[name].shutdown)
+            return
+        self.restarts_left[name] -= 1
+        self.restarting.add(name)
+        logger.error("Stage %r: %s; restarting it (%d restarts left)", name, why,
+                     self.restarts_left[name])
+        try:
+            # Shut down first: its memory is what the new engine's plan counts on.
+            await asyncio.to_thread(self.orchestrator.stages[name].shutdown)
+            config = self.orchestrator.pipeline.stage(name)
+            stage = await asyncio.to_thread(stage_kind(config.engine).start, config,
+                                            self.context)
+        except Exception as e:
+            logger.exception("Stage %r could not be restarted", name)
+            self.down[name] = f"{why}, and restarting failed: {e}"
+        else:
+            self.orchestrator.stages[name] = stage
+            self.restarts[name] += 1
+            logger.info("Stage %r restarted", name)
+        finally:
+            self.restarting.discard(name)
