@@ -16,7 +16,7 @@ ruff check vllm_omni tests benchmarks scripts
 # (pyproject.toml's [tool.coverage]); the report and its total are printed at the end.
 python -m coverage erase
 status=0
-python -m coverage run -m pytest -v "$@" || status=$?
+python -m coverage run -m pytest -v --durations=25 "$@" || status=$?
 python -m coverage combine -q || true
 python -m coverage report || true
 echo "coverage of vllm_omni (every process of the suite): $(python -m coverage report --format=total)%"
