@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
-from vllm_omni.entrypoints.openai.serving import error_status
+from vllm_omni.entrypoints.openai.serving_base import error_status
 from vllm_omni.errors import StageError
 
 

@@ -98,7 +98,7 @@ def hf_plain_text(hf_model):
 def hf_reading(hf_model):
     """HF reading SPOKEN: the conversation /v1/audio/speech builds, the thinker forced to
     answer SPOKEN (then <|im_end|>)."""
-    from vllm_omni.entrypoints.openai.speech import DEFAULT_INSTRUCTIONS
+    from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_INSTRUCTIONS
 
     tokenizer = hf_model[0].tokenizer
     forced = tokenizer.encode(SPOKEN, add_special_tokens=False)

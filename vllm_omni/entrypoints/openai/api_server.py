@@ -22,7 +22,6 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
-from vllm_omni.entrypoints.openai.images import ImageGenerationRequest
 from vllm_omni.entrypoints.openai.info import pipeline_info
 from vllm_omni.entrypoints.openai.limits import (
     AdmissionMiddleware,
@@ -30,15 +29,25 @@ from vllm_omni.entrypoints.openai.limits import (
     BodyLimitMiddleware,
 )
 from vllm_omni.entrypoints.openai.protocol import (
+    ImageGenerationRequest,
     OmniChatCompletionRequest,
     OmniCompletionRequest,
     OmniHTTPError,
-    error_body,
+    SpeechRequest,
     error_response,
     parse_model,
 )
-from vllm_omni.entrypoints.openai.serving import OpenAIServing, error_status, new_request_id
-from vllm_omni.entrypoints.openai.speech import SpeechRequest
+from vllm_omni.entrypoints.openai.serving_base import (
+    entry_renderer,
+    error_event,
+    error_status,
+    new_request_id,
+    sse,
+)
+from vllm_omni.entrypoints.openai.serving_chat import OmniServingChat
+from vllm_omni.entrypoints.openai.serving_completion import OmniServingCompletion
+from vllm_omni.entrypoints.openai.serving_images import OmniServingImages
+from vllm_omni.entrypoints.openai.serving_speech import OmniServingSpeech
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +155,23 @@ def describe_bodies(app: FastAPI) -> None:
     app.openapi = build
 
 
-def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
-    images = serving.images
-    info = pipeline_info(serving.omni, serving.served_model_names)
+def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace) -> FastAPI:
+    from vllm.renderers.chat_utils import load_chat_template
+
+    # The entry stage's renderer, shared: chat, completions and speech render alike.
+    renderer = entry_renderer(
+        omni,
+        chat_template=load_chat_template(args.chat_template),
+        chat_template_content_format=args.chat_template_content_format,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+    )
+    images_serving = OmniServingImages(omni, served_model_names)
+    chat_serving = OmniServingChat(omni, served_model_names, renderer, images_serving,
+                                   response_role=args.response_role)
+    completion_serving = OmniServingCompletion(omni, served_model_names, renderer)
+    speech_serving = OmniServingSpeech(omni, served_model_names, renderer)
+    info = pipeline_info(omni, served_model_names)
     app = FastAPI(title="vllm-omni", docs_url=None if args.disable_fastapi_docs else "/docs")
-    omni = serving.omni
     if args.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -212,27 +233,29 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await serve(request, "chat", OmniChatCompletionRequest, "chatcmpl", serving.chat)
+        return await serve(request, "chat", OmniChatCompletionRequest, "chatcmpl",
+                           chat_serving.chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serve(
-            request, "completions", OmniCompletionRequest, "cmpl", serving.completion
+            request, "completions", OmniCompletionRequest, "cmpl", completion_serving.completion
         )
 
     @app.post("/v1/images/generations")
     async def image_generations(request: Request) -> Response:
         return await serve(
-            request, "images", ImageGenerationRequest, "img", images.generations
+            request, "images", ImageGenerationRequest, "img", images_serving.generations
         )
 
     @app.post("/v1/images/edits")
     async def image_edits(request: Request) -> Response:
-        return await serve(request, "image_edits", None, "imgedit", images.edits)
+        return await serve(request, "image_edits", None, "imgedit", images_serving.edits)
 
     @app.post("/v1/audio/speech")
     async def speech(request: Request) -> Response:
-        return await serve(request, "speech", SpeechRequest, "speech", serving.speech.speech)
+        return await serve(request, "speech", SpeechRequest, "speech",
+                           speech_serving.speech)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -246,7 +269,7 @@ def build_app(serving: OpenAIServing, args: Namespace) -> FastAPI:
                 "root": omni.model,
                 **({"max_model_len": text.max_model_len} if text else {}),
             }
-            for name in serving.served_model_names
+            for name in served_model_names
         ]
         return JSONResponse({"object": "list", "data": data})
 
@@ -331,9 +354,8 @@ async def _observed(
                 break
             except TimeoutError:
                 status = "504"
-                error = _timed_out(timeout)
-                yield "data: " + json.dumps(error_body(error.status, error.message)) + "\n\n"
-                yield "data: [DONE]\n\n"
+                yield error_event(_timed_out(timeout))
+                yield sse("[DONE]")
                 break
             yield item
     except BaseException:
@@ -352,8 +374,6 @@ def run_server(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
 
 
 async def serve_http(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
-    from vllm.renderers.chat_utils import load_chat_template
-
     # Built inside the running loop, as vLLM builds its AsyncLLM, so its sockets bind to it.
     omni = AsyncOmniLLM(
         args.model,
@@ -363,16 +383,8 @@ async def serve_http(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
     )
     try:
         names = args.served_model_name or [args.model]
-        serving = OpenAIServing(
-            omni,
-            names,
-            chat_template=load_chat_template(args.chat_template),
-            chat_template_content_format=args.chat_template_content_format,
-            default_chat_template_kwargs=args.default_chat_template_kwargs,
-            response_role=args.response_role,
-        )
         config = uvicorn.Config(
-            build_app(serving, args),
+            build_app(omni, names, args),
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,

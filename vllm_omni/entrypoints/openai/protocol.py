@@ -1,12 +1,14 @@
-"""Request models: vLLM's OpenAI request models plus vllm-omni's extension fields."""
+"""Request models (vLLM's OpenAI request models plus vllm-omni's extension fields, and the
+image and speech requests), and the errors that become OpenAI-style error responses."""
 
 from __future__ import annotations
 
+import json
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -40,6 +42,74 @@ class OmniCompletionRequest(CompletionRequest):
     stage_sampling_params: dict[str, dict[str, Any]] | None = Field(
         default=None, description="Per-stage sampling overrides, keyed by stage name."
     )
+
+
+class ImageGenerationRequest(BaseModel):
+    """OpenAI's image generation fields, plus the diffusion controls as extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    size: str | None = Field(default=None, description="'WIDTHxHEIGHT' or 'auto'")
+    # Images are returned inline: this server keeps no files to link to.
+    response_format: Literal["b64_json"] = "b64_json"
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | None = Field(default=None, ge=0, le=100)
+    user: str | None = None
+    # Extensions (pass them in the openai client's `extra_body`).
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    seed: int | None = None
+    strength: float | None = None
+    # Step caching for this request (CacheConfig's fields; over the server's --cache-config).
+    cache: dict[str, Any] | None = None
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache(cls, value: Any) -> Any:
+        # A multipart form (images/edits) carries it as JSON text.
+        return json.loads(value) if isinstance(value, str) else value
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value in (None, "auto"):
+            return None
+        w, sep, h = value.partition("x")
+        if not (sep and w.isdigit() and h.isdigit()):
+            raise ValueError(f"must be 'WIDTHxHEIGHT' (e.g. '1024x1024') or 'auto', got {value!r}")
+        return value
+
+    def diffusion_params(self) -> dict[str, Any]:
+        params = self.model_dump(
+            include={"negative_prompt", "num_inference_steps", "guidance_scale",
+                     "true_cfg_scale", "seed", "strength", "cache"},
+            exclude_none=True,
+        )
+        if self.size:
+            w, _, h = self.size.partition("x")
+            params.update(width=int(w), height=int(h))
+        params["num_images"] = self.n
+        return params
+
+
+class SpeechRequest(BaseModel):
+    """OpenAI's speech request, plus `stage_sampling_params` (per-stage overrides)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str = Field(min_length=1, max_length=4096)
+    voice: str | None = None
+    instructions: str | None = None
+    response_format: str = "mp3"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+    stage_sampling_params: dict[str, dict[str, Any]] | None = None
 
 
 class OmniHTTPError(Exception):

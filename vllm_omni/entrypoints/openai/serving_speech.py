@@ -14,14 +14,12 @@ import base64
 import json
 from collections.abc import AsyncIterator
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from vllm import SamplingParams
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
 from vllm_omni.entrypoints.openai.audio import (
     STREAMABLE,
     AudioPieces,
@@ -30,9 +28,10 @@ from vllm_omni.entrypoints.openai.audio import (
 )
 from vllm_omni.entrypoints.openai.protocol import (
     OmniHTTPError,
-    check_stage_names,
+    SpeechRequest,
     raise_for_error,
 )
+from vllm_omni.entrypoints.openai.serving_base import OmniServing, sse
 from vllm_omni.processors import REPLY_START
 
 DEFAULT_INSTRUCTIONS = "Read the following text aloud."
@@ -44,26 +43,9 @@ MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "flac": "audio/flac",
 STAGE_SECONDS_HEADER = "X-Stage-Seconds"
 
 
-class SpeechRequest(BaseModel):
-    """OpenAI's speech request, plus `stage_sampling_params` (per-stage overrides)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    input: str = Field(min_length=1, max_length=4096)
-    voice: str | None = None
-    instructions: str | None = None
-    response_format: str = "mp3"
-    speed: float = Field(default=1.0, ge=0.25, le=4.0)
-    stream_format: Literal["audio", "sse"] = "audio"
-    stage_sampling_params: dict[str, dict[str, Any]] | None = None
-
-
-class SpeechServing:
-    def __init__(self, omni: AsyncOmniLLM, renderer: Any, check_model) -> None:
-        self.omni = omni
-        self.renderer = renderer
-        self.check_model = check_model
+class OmniServingSpeech(OmniServing):
+    """Reads a text aloud with the pipeline's audio stage, answering with the audio file, raw
+    audio as it is spoken, or OpenAI's speech SSE events."""
 
     async def speech(self, request: SpeechRequest, request_id: str) -> Response | AsyncIterator:
         """The audio file, a stream of raw audio (`stream_format: audio` in pcm), or SSE
@@ -89,7 +71,8 @@ class SpeechServing:
         seconds = json.dumps(final.metrics.get("stage_seconds") or {})
         return Response(data, media_type=media_type, headers={STAGE_SECONDS_HEADER: seconds})
 
-    def _check(self, request: SpeechRequest):
+    def _check(self, request: SpeechRequest) -> Any:
+        """The audio stage, once the pipeline is known to speak as the request asks."""
         stage = self.omni.audio_stage
         text_stage = self.omni.text_stage
         if stage is None or text_stage is None or self.renderer is None:
@@ -118,18 +101,15 @@ class SpeechServing:
 
     def _params(self, request: SpeechRequest, audio_stage: str, reply_at: int,
                 stream: bool) -> list:
-        overrides = dict(request.stage_sampling_params or {})
-        names = [s.name for s in self.omni.pipeline.stages]
-        check_stage_names(overrides, names)
+        audio = {"stream": stream, **({"speaker": request.voice} if request.voice else {})}
+        overrides = self.stage_overrides(request.stage_sampling_params, {audio_stage: audio})
         text = self.omni.text_stage.name
         if text in overrides:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"the text stage {text!r} only reads "
                                 "the input; it takes no parameters here", "stage_sampling_params")
-        audio = {"stream": stream, **({"speaker": request.voice} if request.voice else {})}
-        overrides[audio_stage] = {**audio, **overrides.get(audio_stage, {})}
         overrides[text] = SamplingParams(max_tokens=1, temperature=0,
                                          extra_args={REPLY_START: reply_at})
-        return self.omni.sampling_params_list([overrides.get(n) for n in names])
+        return self.omni.sampling_params_list(self.in_stage_order(overrides))
 
     async def _events(self, request: SpeechRequest, outputs, input_tokens: int
                       ) -> AsyncIterator[str]:
@@ -137,16 +117,13 @@ class SpeechServing:
         codes = 0
         async for out, new in _new_audio(outputs, in_pieces):
             data = encode_audio(new, out.audio.sample_rate, request.response_format)
-            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+            yield sse(json.dumps({"type": "speech.audio.delta",
+                                  "audio": base64.b64encode(data).decode()}))
             if out.finished:
                 codes = len(out.tensors.get("codes", ()))
-        yield _event({"type": "speech.audio.done", "usage": {
+        yield sse(json.dumps({"type": "speech.audio.done", "usage": {
             "input_tokens": input_tokens, "output_tokens": codes,
-            "total_tokens": input_tokens + codes}})
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+            "total_tokens": input_tokens + codes}}))
 
 
 async def _new_audio(outputs: AsyncIterator, in_pieces: bool) -> AsyncIterator:
