@@ -139,8 +139,9 @@ def test_no_playground_flag(tiny_qwen2, tmp_path):
     try:
         assert httpx.get(srv.url + "/").status_code == 404
         assert httpx.get(srv.url + "/v1/omni/info").json()["outputs"] == ["text"]
-        assert set(os.listdir("/dev/shm")) > before  # vLLM's engine queues live there
+        # vLLM's engine queues live there (entries of other processes may come and go).
+        assert set(os.listdir("/dev/shm")) - before
     finally:
         assert srv.stop()
     # Nothing of the server is left in the shared-memory filesystem once it has stopped.
-    assert set(os.listdir("/dev/shm")) <= before
+    assert not set(os.listdir("/dev/shm")) - before

@@ -379,6 +379,8 @@ async def serve_http(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
         args.model,
         stage_configs_path=args.stage_configs_path,
         cache_config=getattr(args, "cache_config", None),
+        stage_restarts=args.stage_restarts,
+        stage_hang_timeout=args.stage_hang_timeout or None,
         **engine_kwargs,
     )
     try:
