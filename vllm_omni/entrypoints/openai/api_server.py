@@ -38,7 +38,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     parse_model,
 )
 from vllm_omni.entrypoints.openai.serving_base import (
-    entry_renderer,
+    EntryRenderer,
     error_event,
     error_status,
     new_request_id,
@@ -159,7 +159,7 @@ def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace
     from vllm.renderers.chat_utils import load_chat_template
 
     # The entry stage's renderer, shared: chat, completions and speech render alike.
-    renderer = entry_renderer(
+    renderer = EntryRenderer(
         omni,
         chat_template=load_chat_template(args.chat_template),
         chat_template_content_format=args.chat_template_content_format,

@@ -30,27 +30,38 @@ from vllm_omni.outputs import OmniRequestOutput
 TextRequest = OmniChatCompletionRequest | OmniCompletionRequest
 
 
-def entry_renderer(
-    omni: AsyncOmniLLM,
-    *,
-    chat_template: str | None = None,
-    chat_template_content_format: str = "auto",
-    default_chat_template_kwargs: dict[str, Any] | None = None,
-) -> OnlineRenderer | None:
+class EntryRenderer:
     """vLLM's own renderer for the entry stage, so a prompt is the same token for token as
     under `vllm serve`; None for a pipeline without a text stage (a diffusion model), which
-    takes its prompts unrendered."""
-    if omni.text_stage is None:
-        return None
-    entry = omni.entry_stage
-    return OnlineRenderer(
-        entry.model_config,
-        entry.renderer,
-        request_logger=None,
-        chat_template=chat_template,
-        chat_template_content_format=chat_template_content_format,
-        default_chat_template_kwargs=default_chat_template_kwargs,
-    )
+    takes its prompts unrendered. Rebuilt when the entry stage is (a restarted stage has a
+    new engine, and its renderer with it)."""
+
+    def __init__(
+        self,
+        omni: AsyncOmniLLM,
+        *,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        default_chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.omni = omni
+        self.settings = {
+            "chat_template": chat_template,
+            "chat_template_content_format": chat_template_content_format,
+            "default_chat_template_kwargs": default_chat_template_kwargs,
+        }
+        self._stage: Any = None
+        self._renderer: OnlineRenderer | None = None
+
+    def get(self) -> OnlineRenderer | None:
+        if self.omni.text_stage is None:
+            return None
+        entry = self.omni.entry_stage
+        if entry is not self._stage:
+            self._renderer = OnlineRenderer(entry.model_config, entry.renderer,
+                                            request_logger=None, **self.settings)
+            self._stage = entry
+        return self._renderer
 
 
 class OmniServing:
@@ -64,11 +75,15 @@ class OmniServing:
         self,
         omni: AsyncOmniLLM,
         served_model_names: list[str],
-        renderer: OnlineRenderer | None = None,
+        renderer: EntryRenderer | None = None,
     ) -> None:
         self.omni = omni
         self.served_model_names = served_model_names
-        self.renderer = renderer
+        self._renderer = renderer
+
+    @property
+    def renderer(self) -> OnlineRenderer | None:
+        return self._renderer.get() if self._renderer is not None else None
 
     @property
     def model_name(self) -> str:

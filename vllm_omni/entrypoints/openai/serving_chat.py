@@ -23,7 +23,6 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatMessage,
 )
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
-from vllm.renderers.online_renderer import OnlineRenderer
 
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
 from vllm_omni.entrypoints.openai.audio import (
@@ -40,6 +39,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     raise_for_error,
 )
 from vllm_omni.entrypoints.openai.serving_base import (
+    EntryRenderer,
     OmniServing,
     error_event,
     final_outputs,
@@ -64,7 +64,7 @@ class OmniServingChat(OmniServing):
         self,
         omni: AsyncOmniLLM,
         served_model_names: list[str],
-        renderer: OnlineRenderer | None,
+        renderer: EntryRenderer | None,
         images: OmniServingImages,
         *,
         response_role: str = "assistant",
