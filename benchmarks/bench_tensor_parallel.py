@@ -57,7 +57,13 @@ def machine() -> str:
             return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     except ImportError:
         pass
-    return f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
+    name = platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name}, {len(os.sched_getaffinity(0))} cores"
 
 
 def run(args: argparse.Namespace) -> dict:
