@@ -39,6 +39,9 @@ HEADROOM = 0.10  # of what is free at start-up, left to everything else on the d
 # ("ar": vLLM's core and worker; "other": one of our cores) and device type; measured.
 RUNTIME = {("ar", "cpu"): 1.5 * GIB, ("ar", "cuda"): 1.0 * GIB,
            ("other", "cpu"): 0.6 * GIB, ("other", "cuda"): 0.75 * GIB}
+# Each further rank of an AR stage is one more vLLM worker process (on GPUs: its CUDA
+# context on its own device); measured with TP=2 on CPU.
+AR_RANK_RUNTIME = {"cpu": 0.9 * GIB, "cuda": 1.0 * GIB}
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
                 "BF16": 2, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 TORCH_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
@@ -46,7 +49,9 @@ TORCH_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 
 @dataclasses.dataclass
 class StagePlan:
-    """One stage's memory on its device, in bytes. `source` says who set the budget."""
+    """One stage's memory, in bytes, all its ranks together. `source` says who set the
+    budget. A stage with several ranks (AR tensor / pipeline parallel) holds 1/ranks of each
+    figure per rank; its ranks sit on `rank_devices` (all on "cpu", or one GPU each)."""
 
     stage: str
     engine: str
@@ -61,10 +66,24 @@ class StagePlan:
     # AR stages: the KV cache the stage would like and the least it can run with.
     kv_wanted: int = 0
     kv_floor: int = 0
+    ranks: int = 1
+    rank_devices: list[str] = dataclasses.field(default_factory=list)  # default: [device]
+    # Environment the engine starts with (None: unset), e.g. its CPU thread binding.
+    env: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    # What keeps the stage from starting as configured, as sentences naming it.
+    problems: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def total(self) -> int:
         return self.weights + self.kv_cache + self.activations + self.runtime
+
+    @property
+    def devices(self) -> list[str]:
+        return self.rank_devices or [self.device]
+
+    def share(self, device: str) -> float:
+        """The fraction of the stage that lives on `device`."""
+        return self.devices.count(device) / len(self.devices)
 
 
 @dataclasses.dataclass
@@ -86,13 +105,18 @@ class MemoryPlan:
     def stage(self, name: str) -> StagePlan:
         return next(s for s in self.stages if s.stage == name)
 
+    def planned(self, device: str) -> int:
+        """Bytes the stages hold on one device."""
+        return int(sum(s.total * s.share(device) for s in self.stages))
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "headroom": HEADROOM,
             "devices": [{**dataclasses.asdict(d), "usable": d.usable,
-                         "planned": sum(s.total for s in self.stages if s.device == d.device)}
+                         "planned": self.planned(d.device)}
                         for d in self.devices.values()],
             "stages": [{"stage": s.stage, "engine": s.engine, "device": s.device,
+                        "ranks": s.ranks, "devices": s.devices,
                         "weights": s.weights, "kv_cache": s.kv_cache,
                         "activations": s.activations, "runtime": s.runtime, "total": s.total,
                         "source": s.source} for s in self.stages],
@@ -103,10 +127,11 @@ class MemoryPlan:
         rows = [("stage", "device", "weights", "kv cache", "activations", "runtime", "total",
                  "set by")]
         for s in self.stages:
-            rows.append((s.stage, s.device, *(_gib(v) for v in (
+            where = s.device if s.ranks == 1 else f"{s.device} x{s.ranks}"
+            rows.append((s.stage, where, *(_gib(v) for v in (
                 s.weights, s.kv_cache, s.activations, s.runtime, s.total)), s.source))
         for d in self.devices.values():
-            planned = sum(s.total for s in self.stages if s.device == d.device)
+            planned = self.planned(d.device)
             rows.append((f"[{d.device}]", f"{_gib(d.free)} free", "", "", "", "",
                          _gib(planned), f"of {_gib(d.usable)} usable"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -213,32 +238,31 @@ def _user_budget(stage: StageConfig, plan: StagePlan, given: dict[str, Any],
         return True
     if env_kv:
         plan.source = "VLLM_CPU_KVCACHE_SPACE"
-        plan.kv_cache = int(env_kv) * GIB
+        plan.kv_cache = int(env_kv) * GIB * plan.ranks  # vLLM's KV settings are per rank
         return True
     if given.get("kv_cache_memory_bytes") is not None:
         plan.source = "kv_cache_memory_bytes"
-        plan.kv_cache = int(given["kv_cache_memory_bytes"])
+        plan.kv_cache = int(given["kv_cache_memory_bytes"]) * plan.ranks
         return True
     if given.get("gpu_memory_utilization") is not None:
         plan.source = "gpu_memory_utilization"
-        share = int(float(given["gpu_memory_utilization"]) * device.total)
+        share = int(float(given["gpu_memory_utilization"]) * device.total
+                    * len(set(plan.devices)))
         plan.kv_cache = max(share - plan.weights - plan.activations - plan.runtime, 0)
         return True
     return False
 
 
-def _share_kv(plans: list[StagePlan], spare: int) -> None:
-    """Give planned KV caches their wish, or split `spare` bytes above their floors in
-    proportion to what each wishes beyond its floor."""
-    wished = sum(p.kv_wanted for p in plans)
+def _share_kv(plans: list[tuple[StagePlan, float]], spare: int) -> dict[int, int]:
+    """KV bytes on one device for each (plan, fraction of it on the device): their wish, or
+    `spare` bytes above their floors split in proportion to what each wishes beyond it."""
+    wished = sum(p.kv_wanted * f for p, f in plans)
     if wished <= spare:
-        for p in plans:
-            p.kv_cache = p.kv_wanted
-        return
-    above = spare - sum(p.kv_floor for p in plans)
-    extra = sum(p.kv_wanted - p.kv_floor for p in plans) or 1
-    for p in plans:
-        p.kv_cache = p.kv_floor + max(above, 0) * (p.kv_wanted - p.kv_floor) // extra
+        return {id(p): int(p.kv_wanted * f) for p, f in plans}
+    above = spare - sum(p.kv_floor * f for p, f in plans)
+    extra = sum((p.kv_wanted - p.kv_floor) * f for p, f in plans) or 1
+    return {id(p): int((p.kv_floor + max(above, 0) * (p.kv_wanted - p.kv_floor) / extra) * f)
+            for p, f in plans}
 
 
 def plan_pipeline(
@@ -280,48 +304,71 @@ def plan_memory(
         raise PlacementError("the pipeline's placement cannot be honoured:\n  "
                              + "\n  ".join(problems))
     plans: list[StagePlan] = []
-    open_kv: dict[str, list[StagePlan]] = defaultdict(list)
+    open_kv: dict[str, list[tuple[StagePlan, float]]] = defaultdict(list)
     devices: dict[str, DeviceMemory] = {}
     unreadable: dict[str, BaseException] = {}
+    start_problems: list[str] = []
     for stage in pipeline.stages:
         device = stage_device(stage, ar_device_type)
-        if device not in devices:
-            devices[device] = device_memory(device)
         try:
             plan = need(stage, device)
         except Exception as e:  # its engine args cannot make a config: it cannot start
             unreadable[stage.name] = e
             continue
         plans.append(plan)
+        if plan.problems:  # e.g. ranks on devices this machine lacks
+            start_problems += plan.problems
+            continue
+        for d in plan.devices:
+            if d not in devices:
+                devices[d] = device_memory(d)
         if not _user_budget(stage, plan, given_args(stage), devices[device], problems):
-            open_kv[device].append(plan)
+            for d in dict.fromkeys(plan.devices):
+                open_kv[d].append((plan, plan.share(d)))
     if unreadable:
         raise StageStartError(unreadable) from next(iter(unreadable.values()))
+    from vllm_omni.engine.ar.parallel import BIND_ENV, binding_conflicts
+
+    start_problems += binding_conflicts({
+        p.stage: p.env.get(BIND_ENV) for p in plans
+        if stage_kind(p.engine).autoregressive and p.device == "cpu"})
+    if start_problems:
+        raise PlacementError("the pipeline's parallel stages cannot start here:\n  "
+                             + "\n  ".join(start_problems))
+    kv_on: dict[int, list[float]] = defaultdict(list)  # per open plan: KV bytes per its share
     for device, memory in devices.items():
-        on_device = [p for p in plans if p.device == device]
-        fixed = sum(p.total for p in on_device)  # planned KV caches are still 0 here
+        on_device = [(p, p.share(device)) for p in plans if p.share(device)]
+        fixed = int(sum(p.total * f for p, f in on_device))  # planned KV caches are still 0
         spare = memory.usable - fixed
-        floors = sum(p.kv_floor for p in open_kv[device])
+        opened = open_kv[device]
+        floors = int(sum(p.kv_floor * f for p, f in opened))
         if fixed + floors > memory.usable:
-            least = {p.stage: p.total + (p.kv_floor if p in open_kv[device] else 0)
-                     for p in on_device}
-            parts = ", ".join(f"{name} {_gib(v)}" for name, v in least.items())
+            open_ids = {id(p) for p, _ in opened}
+            least = {p.stage: (p.total + (p.kv_floor if id(p) in open_ids else 0)) * f
+                     for p, f in on_device}
+            parts = ", ".join(f"{name} {_gib(int(v))}" for name, v in least.items())
             problems.append(
                 f"{device}: stages need at least {_gib(fixed + floors)} GiB together ({parts}; "
                 f"weights, activations, runtime and at least one max_model_len sequence of KV "
                 f"cache each); it has {_gib(memory.free)} GiB free, {_gib(memory.usable)} GiB "
                 f"usable after {HEADROOM:.0%} headroom")
         else:
-            _share_kv(open_kv[device], spare)
+            shared = _share_kv(opened, spare)
+            for p, f in opened:
+                kv_on[id(p)].append(shared[id(p)] / f)
     if problems:
         raise PlacementError("the pipeline's memory plan cannot fit:\n  " + "\n  ".join(problems))
     for p in plans:
+        if id(p) in kv_on:  # a stage over several devices gets what its tightest one allows
+            p.kv_cache = int(min(kv_on[id(p)]))
         if not stage_kind(p.engine).autoregressive:
             continue
         if p.source in ("planned", "placement.memory_gib"):
-            p.engine_args["kv_cache_memory_bytes"] = p.kv_cache
+            # vLLM sizes the KV cache of each rank (worker process).
+            p.engine_args["kv_cache_memory_bytes"] = p.kv_cache // p.ranks
         if p.device != "cpu" and p.source != "gpu_memory_utilization":
-            # vLLM checks that this fraction of the device is free at start: stages sharing
-            # a device ask for fractions that add up.
-            p.engine_args["gpu_memory_utilization"] = min(p.total / devices[p.device].total, 1.0)
+            # vLLM checks that this fraction of each rank's device is free at start: stages
+            # sharing a device ask for fractions that add up.
+            p.engine_args["gpu_memory_utilization"] = min(
+                max(p.total * p.share(d) / devices[d].total for d in p.devices), 1.0)
     return MemoryPlan(plans, devices)

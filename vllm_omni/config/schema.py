@@ -39,6 +39,19 @@ class Placement(BaseModel):
 
     device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     memory_gib: float | None = Field(default=None, gt=0)
+    cores: list[int] | None = Field(
+        default=None, min_length=1,
+        description="AR stages on CPU: the cores the stage's ranks run on, split evenly over "
+        "them (tensor_parallel_size x pipeline_parallel_size); default: the cores this "
+        "process may use. Ignored where VLLM_CPU_OMP_THREADS_BIND is set.",
+    )
+
+    @field_validator("cores")
+    @classmethod
+    def _distinct_cores(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (len(set(value)) != len(value) or min(value) < 0):
+            raise ValueError(f"cores must be distinct core ids, got {value}")
+        return value
 
 
 class StageConfig(BaseModel):

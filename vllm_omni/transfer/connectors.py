@@ -107,10 +107,14 @@ class SharedMemoryConnector:
         seg.close()
         return ShmHandle(seg.name, size, tuple(layouts))
 
-    def get(self, handle: ShmHandle) -> dict[str, torch.Tensor]:
+    def get(self, handle: ShmHandle, release: bool = True) -> dict[str, torch.Tensor]:
+        """The payload's tensors; `release=False` leaves it for other readers (the ranks of
+        one stage), and whoever handed it out discards it."""
         # Attaching registers the segment with this process's resource tracker, and
         # unlink() below unregisters it: the reader owns the payload from here.
         seg = shared_memory.SharedMemory(name=handle.segment)
+        if not release:  # not this process' to unlink, now or when it exits
+            resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
         try:
             out = {}
             for layout in handle.tensors:
@@ -126,7 +130,8 @@ class SharedMemoryConnector:
             return out
         finally:
             seg.close()
-            seg.unlink()
+            if release:
+                seg.unlink()
 
     def discard(self, handle: ShmHandle) -> None:
         """Release a payload nobody will read (e.g. its request was aborted)."""

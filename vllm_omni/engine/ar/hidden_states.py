@@ -13,6 +13,10 @@ positions, and `position_delta`, the offset of every later position (vLLM's own)
 When the request is done the orchestrator calls `take_hidden_states(key)` over
 `collective_rpc`; the worker writes the rows to shared memory and returns only a small
 handle, so the tensors never pass through the engine core or the API process.
+
+Under tensor parallelism every rank sees the same rows (the embeddings and the final norm's
+output are all-reduced, whole on each rank), so only the group's first rank keeps them: one
+copy, one handle.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ class HiddenStatesMixin:
         self._omni_keys: dict[str, str] = {}  # vLLM request id -> caller's key
         self._omni_step: dict[str, torch.Tensor] = {}
         self._omni_connector = SharedMemoryConnector(prefix="omni-hs")
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        self._omni_keeps = get_tensor_model_parallel_rank() == 0
+        if not self._omni_keeps:
+            return
         decoder = _decoder(self.model_runner.get_model())
 
         def after_norm(_module, _inputs, output):
@@ -64,6 +73,8 @@ class HiddenStatesMixin:
     def execute_model(self, scheduler_output: Any):
         if not hasattr(self, "_omni_rows"):
             self._hidden_setup()
+        if not self._omni_keeps:
+            return super().execute_model(scheduler_output)
         for req in scheduler_output.scheduled_new_reqs:
             extra = (req.sampling_params.extra_args or {}) if req.sampling_params else {}
             if REQUEST_KEY in extra:

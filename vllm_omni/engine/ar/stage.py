@@ -11,18 +11,19 @@ from typing import Any, ClassVar
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import EngineInput, PromptType
+from vllm.platforms import current_platform
 from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from vllm_omni.config.kinds import StartContext
 from vllm_omni.config.loader import load_function
-from vllm_omni.config.memory import RUNTIME, StagePlan, weights_bytes
+from vllm_omni.config.memory import AR_RANK_RUNTIME, RUNTIME, StagePlan, weights_bytes
 from vllm_omni.config.schema import StageConfig
-from vllm_omni.engine.ar import hidden_states, step_inputs
+from vllm_omni.engine.ar import hidden_states, parallel, step_inputs
 from vllm_omni.engine.ar.worker import worker_class_path
 from vllm_omni.engine.stage import EngineStage
 from vllm_omni.outputs import OmniRequestOutput
-from vllm_omni.transfer.connectors import ShmHandle
+from vllm_omni.transfer.connectors import SharedMemoryConnector, ShmHandle
 
 _ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
 
@@ -111,26 +112,51 @@ class ARStage(EngineStage):
 
     @classmethod
     def memory_needs(cls, config: StageConfig, context: StartContext, device: str) -> StagePlan:
-        """Weights, KV cache and activations, read from the vLLM config the engine args give."""
+        """Weights, KV cache and activations of all the stage's ranks, read from the vLLM
+        config the engine args give; with several ranks (tensor / pipeline parallel) each
+        holds its part of the weights and KV heads and runs its own worker process. Ranks
+        that cannot split the model or cannot each get a core (GPU) are the plan's
+        `problems`."""
         args = stage_engine_args(context.model, config, context.engine_kwargs)
+        tp, pp = int(args.tensor_parallel_size), int(args.pipeline_parallel_size)
+        ranks = tp * pp
+        problems = parallel.parallel_problems(config, args.create_model_config(), tp, pp,
+                                              device)
+        rank_devices = ([device] * ranks if device == "cpu"
+                        else [f"cuda:{i}" for i in range(ranks)])
+        if problems:  # vLLM's config would refuse them with less to say
+            return StagePlan(stage=config.name, engine=config.engine, device=device,
+                             weights=0, kv_cache=0, activations=0, runtime=0, ranks=ranks,
+                             rank_devices=rank_devices, problems=problems)
         vllm_config = dataclasses.replace(args).create_engine_config(context.usage_context)
         model, sched = vllm_config.model_config, vllm_config.scheduler_config
         itemsize = model.dtype.itemsize
         cache_dtype = vllm_config.cache_config.cache_dtype
         kv_item = itemsize if cache_dtype == "auto" else (1 if "fp8" in cache_dtype else 2)
-        parallel = vllm_config.parallel_config
-        per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
-                     * model.get_head_size() * kv_item)
+        parallel_config = vllm_config.parallel_config
+        # Per rank: its KV heads (replicated where ranks outnumber them) of the layers of
+        # its pipeline stage (the largest share); vLLM gives every rank the same budget.
+        per_rank_token = (2 * -(-model.get_total_num_hidden_layers() // pp)
+                          * model.get_num_kv_heads(parallel_config)
+                          * model.get_head_size() * kv_item)
         hidden = model.get_hidden_size()
         intermediate = getattr(model.hf_text_config, "intermediate_size", None) or 4 * hidden
-        activations = (sched.max_num_batched_tokens * (4 * hidden + 2 * intermediate) * itemsize
-                       + 2 * sched.max_num_seqs * model.get_vocab_size() * 4)
+        # Each rank holds the whole hidden rows but only its share of the MLP's.
+        per_rank_activations = (
+            sched.max_num_batched_tokens * (4 * hidden + 2 * intermediate // tp) * itemsize
+            + 2 * sched.max_num_seqs * model.get_vocab_size() * 4)
+        binding = parallel.cpu_binding(config, ranks) if device == "cpu" else None
         return StagePlan(
             stage=config.name, engine=config.engine, device=device,
             weights=weights_bytes(model.model, config.weights_prefix, itemsize),
-            kv_cache=0, activations=activations, runtime=int(RUNTIME[("ar", device[:4])]),
-            kv_wanted=per_token * model.max_model_len * sched.max_num_seqs,
-            kv_floor=per_token * model.max_model_len,
+            kv_cache=0, activations=per_rank_activations * ranks,
+            runtime=int(RUNTIME[("ar", device[:4])]
+                        + (ranks - 1) * AR_RANK_RUNTIME[device[:4]]),
+            kv_wanted=per_rank_token * ranks * model.max_model_len * sched.max_num_seqs,
+            kv_floor=per_rank_token * ranks * model.max_model_len,
+            ranks=ranks, rank_devices=rank_devices,
+            env={parallel.BIND_ENV: binding} if device == "cpu" and
+            parallel.user_binding() is None else {},
         )
 
     @classmethod
@@ -142,11 +168,20 @@ class ARStage(EngineStage):
     def __init__(self, config: StageConfig, context: StartContext) -> None:
         self.config = config
         self.name = config.name
-        planned = (context.memory_plan.stage(config.name).engine_args
-                   if context.memory_plan is not None else None)
-        engine_args = stage_engine_args(context.model, config, context.engine_kwargs, planned)
-        self.engine = AsyncLLM.from_engine_args(engine_args,
-                                                usage_context=context.usage_context)
+        plan = context.memory_plan.stage(config.name) if context.memory_plan else None
+        engine_args = stage_engine_args(context.model, config, context.engine_kwargs,
+                                        plan.engine_args if plan else None)
+        if plan is not None:
+            env = plan.env
+        elif current_platform.is_cpu() and parallel.user_binding() is None:
+            env = {parallel.BIND_ENV: parallel.cpu_binding(
+                config, parallel.world_size(engine_args))}
+        else:
+            env = {}
+        # The engine core process takes this environment when AsyncLLM spawns it.
+        with parallel.engine_environment(env):
+            self.engine = AsyncLLM.from_engine_args(engine_args,
+                                                    usage_context=context.usage_context)
         self.model_config = self.engine.model_config
         # The model's generation_config defaults, the ones derived from its config, then the
         # stage's own defaults from the YAML.
@@ -209,12 +244,15 @@ class ARStage(EngineStage):
         output_type = self.config.output
         wants_hidden = output_type == "hidden_states" or keep_hidden_states
         extra = {}
+        step_payload = None
         if isinstance(prompt, dict) and "step_inputs" in prompt:
             if not self.config.step_inputs:
                 raise ValueError(f"stage {self.name!r} takes no step inputs")
             prompt = dict(prompt)
             given = prompt.pop("step_inputs")
             tensors = given["tensors"]
+            if isinstance(tensors, ShmHandle):
+                step_payload = tensors
             extra[step_inputs.REQUEST_KEY] = {
                 "tensors": tensors.as_data() if isinstance(tensors, ShmHandle) else tensors,
                 "args": given.get("args", {}),
@@ -224,8 +262,8 @@ class ARStage(EngineStage):
         if extra:
             sampling_params = sampling_params.clone()
             sampling_params.extra_args = {**(sampling_params.extra_args or {}), **extra}
-        (engine_input,) = await self.render([prompt])
         try:
+            (engine_input,) = await self.render([prompt])
             async for out in self.engine.generate(engine_input, sampling_params, request_id):
                 result = OmniRequestOutput(
                     request_id=request_id,
@@ -244,6 +282,10 @@ class ARStage(EngineStage):
             if wants_hidden:
                 await self.engine.collective_rpc("drop_hidden_states", args=(request_id,))
             raise
+        finally:
+            # Every rank read the step inputs when the request was first scheduled.
+            if step_payload is not None:
+                SharedMemoryConnector().discard(step_payload)
 
     async def ping(self) -> None:
         # A utility call: vLLM's engine core answers it from its busy loop, between steps.

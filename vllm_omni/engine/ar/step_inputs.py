@@ -9,6 +9,9 @@ reads the tensors and lets the model turn them into its table
 `use_codec(positions)`, where the token's own embedding counts); during each forward
 pass the model asks for the rows of the step's tokens (`model.step_inputs(positions)`), which
 the worker gathers request by request in the model runner's token layout.
+
+Every rank of a tensor-parallel stage runs the model, so each reads the tensors; none
+releases them: the stage discards the payload once the request is over.
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ class StepInputsMixin:
                     )
                 given = extra[REQUEST_KEY]
                 try:
-                    tensors = SharedMemoryConnector().get(ShmHandle.from_data(given["tensors"]))
-                except FileNotFoundError:  # released: the request was aborted meanwhile
+                    tensors = SharedMemoryConnector().get(
+                        ShmHandle.from_data(given["tensors"]), release=False)
+                except FileNotFoundError:  # discarded: the request was aborted meanwhile
                     logger.warning("step inputs of %s are gone; it runs without", req.req_id)
                     continue
                 self._step_tables[req.req_id] = self._step_model.step_table(
