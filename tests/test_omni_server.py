@@ -335,3 +335,44 @@ def test_playground_speaks(server, browser):
     assert samples > 44 + 2 * 1000  # the streamed pcm16 pieces, joined into one WAV
     screenshot(page, "playground-chat-speech")
     page.close()
+
+
+def test_a_dead_code2wav_is_restarted_and_speaks_again(server, client, hf_answer):
+    """Last in this module: its server's code2wav is killed mid-answer. That answer ends with
+    an error naming the stage, /health is 503 until the stage is back (the default
+    --stage-restarts), and the next spoken answer is HF's again."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    (core,) = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+               if p.name() == "vllm-omni::Code2WavCore"]
+    body = {"model": model_name(client), "messages": MESSAGES, "stream": True,
+            "modalities": ["text", "audio"], "audio": {"format": "pcm16"},
+            "stage_sampling_params": {"talker": {"max_tokens": 600, "stop_token_ids": []}}}
+    events = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                      timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                delta = (events[-1].get("choices") or [{}])[0].get("delta", {})
+                if delta.get("audio", {}).get("data") and core.is_running():
+                    os.kill(core.pid, signal.SIGKILL)
+    error = events[-1]["error"]
+    assert error["code"] == 503 and "stage 'code2wav'" in error["message"]
+
+    def health_becomes(status: int, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while httpx.get(server.url + "/health", timeout=5).status_code != status:
+            assert time.monotonic() < deadline, f"/health never answered {status}"
+            time.sleep(0.2)
+
+    health_becomes(503, 30)
+    health_becomes(200, 180)
+    text, waveform = hf_answer
+    transcript, data = stream_speech(client, {"seed": SEED, "stream": False})
+    assert transcript == text
+    np.testing.assert_allclose(pcm16(data), waveform, atol=1.5 / 32768)
