@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 
 import httpx
 import pytest
@@ -130,18 +129,3 @@ def test_phone_width(browser, demo):
     assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
     screenshot(page, "playground-phone")
     context.close()
-
-
-def test_no_playground_flag(tiny_qwen2, tmp_path):
-    before = set(os.listdir("/dev/shm"))
-    srv = ServerProcess([tiny_qwen2, "--no-playground", "--max-model-len", "1024"],
-                        tmp_path / "server.log")
-    try:
-        assert httpx.get(srv.url + "/").status_code == 404
-        assert httpx.get(srv.url + "/v1/omni/info").json()["outputs"] == ["text"]
-        # vLLM's engine queues live there (entries of other processes may come and go).
-        assert set(os.listdir("/dev/shm")) - before
-    finally:
-        assert srv.stop()
-    # Nothing of the server is left in the shared-memory filesystem once it has stopped.
-    assert not set(os.listdir("/dev/shm")) - before

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import time
 
@@ -25,11 +26,24 @@ LONG = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000,
 
 @pytest.fixture(scope="module")
 def limited(tiny_qwen2, tmp_path_factory):
+    """A server with every operating flag set (and no playground)."""
+    shm_before = set(os.listdir("/dev/shm"))
     srv = ServerProcess([tiny_qwen2, "--api-key", KEY, "--max-pending-requests", "3",
-                         "--request-timeout", str(TIMEOUT), "--max-request-body-mb", "1"],
+                         "--request-timeout", str(TIMEOUT), "--max-request-body-mb", "1",
+                         "--no-playground"],
                         tmp_path_factory.mktemp("limits") / "server.log")
+    # vLLM's engine queues live there (entries of other processes may come and go).
+    assert set(os.listdir("/dev/shm")) - shm_before
     yield srv
     assert srv.stop(), "processes of the server were still alive after SIGTERM"
+    # Nothing of the server is left in the shared-memory filesystem once it has stopped.
+    assert not set(os.listdir("/dev/shm")) - shm_before
+
+
+def test_no_playground_flag(limited):
+    assert httpx.get(limited.url + "/").status_code == 404
+    info = httpx.get(limited.url + "/v1/omni/info", headers=AUTH).json()
+    assert info["outputs"] == ["text"]
 
 
 def metric(srv, name: str, headers: dict | None = AUTH) -> float:
