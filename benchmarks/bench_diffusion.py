@@ -68,7 +68,8 @@ def main() -> None:
     pipe.set_progress_bar_config(disable=True)
     worker = ThreadPoolExecutor(1)  # one request at a time, in arrival order
     engine = AsyncDiffusionEngine(
-        folder, EngineOptions(num_threads=args.threads, max_batch_size=args.max_batch_size)
+        folder, EngineOptions(num_threads=args.threads, max_batch_size=args.max_batch_size,
+                              max_image_pixels=args.size * args.size)
     )
     prompts = [f"a picture of thing number {i}" for i in range(256)]
 

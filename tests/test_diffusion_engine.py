@@ -120,11 +120,14 @@ def test_request_joins_running_batch(family):
 
 def test_bad_parameters_are_value_errors(family):
     name, pipe, engine = family
+    side = engine.info["defaults"]["height"]
     for params, words in [
         ({"height": 60}, "multiple of"),
         ({"num_inference_steps": 0}, "num_inference_steps"),
         ({"true_cfg_scale": 3.0}, "negative_prompt"),
         ({"colour": "red"}, "colour"),
+        # The memory plan holds a batch at the default size: one image past it is refused.
+        ({"height": 3 * side, "width": 3 * side}, "max_image_pixels"),
     ]:
         with pytest.raises(ValueError, match=words):
             run_sync(run(engine, "bad", "x", **params))

@@ -225,7 +225,7 @@ def test_killed_engine_core_fails_requests_and_health(flux_server):
     assert len(cores) == 1, [p.cmdline() for p in cores]
 
     def long_request():
-        body = {"prompt": "x", "size": "256x256", "num_inference_steps": 1000}
+        body = {"prompt": "x", "size": "96x80", "num_inference_steps": 1000}
         return httpx.post(srv.url + "/v1/images/generations", json=body, timeout=120)
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

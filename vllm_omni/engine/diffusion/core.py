@@ -52,6 +52,11 @@ class EngineOptions:
     # offloading): "model" (one component at a time), "group" (groups of blocks, streamed),
     # "sequential" (one layer at a time; least memory, slowest). GPU devices only.
     offload: str | None = None
+    # Largest width x height one image may have. The memory plan reserves activations for a
+    # full batch at the model's default size, so by default one image may fill that batch
+    # (max_batch_size times the default area); a larger one is refused (a 400) instead of
+    # exhausting memory.
+    max_image_pixels: int | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -101,6 +106,9 @@ class DiffusionCore(CoreBase):
             pipe.to(options.device)
         self.adapter = adapter_for(pipe, options.device)
         self.defaults = options.defaults
+        area = self.adapter.default_area()
+        self.max_image_pixels = options.max_image_pixels or (
+            options.max_batch_size * area if area else None)
         if self.defaults.get("cache") is not None:
             # The server-wide cache setting must fit the model: fail at start, not per request.
             self.adapter.check_cache(CacheConfig(**self.defaults["cache"]))
@@ -120,6 +128,7 @@ class DiffusionCore(CoreBase):
             "step_level": a.step_level,
             "takes_images": a.takes_images,
             "defaults": a.defaults,
+            "max_image_pixels": self.max_image_pixels,
         }
 
     # -- requests ------------------------------------------------------------------------
@@ -129,6 +138,11 @@ class DiffusionCore(CoreBase):
             self.adapter.check_inputs(msg.images)
             given = DiffusionParams.parse(msg.params).merged(self.defaults)
             resolved = self.adapter.resolve(given)
+            if (self.max_image_pixels and resolved.height and resolved.width
+                    and resolved.height * resolved.width > self.max_image_pixels):
+                raise ValueError(
+                    f"size {resolved.width}x{resolved.height} is over this model's limit of "
+                    f"{self.max_image_pixels} pixels per image (engine option max_image_pixels)")
             if resolved.seed is None:
                 resolved.seed = self.new_seed()
         except ValueError as e:

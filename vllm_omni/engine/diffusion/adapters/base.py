@@ -135,6 +135,10 @@ class StepAdapter:
                 )
         return p
 
+    def default_area(self) -> int:
+        """Pixels of one image at the model's default size."""
+        return self.defaults["height"] * self.defaults["width"]
+
     def check_cache(self, config: CacheConfig) -> None:
         self.cache.check(config, type(self.pipe).__name__)
 

@@ -49,6 +49,17 @@ class WholeRequestAdapter:
             self.check_cache(params.cache)
         return params
 
+    def default_area(self) -> int | None:
+        """Pixels of one image at the pipeline's default size, where its signature or its
+        `default_sample_size` says it (None: unknown, no limit)."""
+        call = inspect.signature(type(self.pipe).__call__).parameters
+        sides = [call[n].default if n in call else None for n in ("height", "width")]
+        if all(isinstance(s, int) for s in sides):
+            return sides[0] * sides[1]
+        size = getattr(self.pipe, "default_sample_size", None)
+        factor = getattr(self.pipe, "vae_scale_factor", None)
+        return (size * factor) ** 2 if isinstance(size, int) and isinstance(factor, int) else None
+
     def check_cache(self, config: CacheConfig) -> None:
         if config.enabled:
             raise ValueError(

@@ -1,0 +1,82 @@
+"""Bad input, generated: schemathesis reads the served app's own /openapi.json and sends each
+route a bounded, seeded set of bodies (valid ones and ones that break the schema). Whatever
+comes in, the server answers it without a 5xx, every 4xx is OpenAI-shaped, and it stays up."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
+
+from tests.conftest import ServerProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+# The demo pipeline (chat on a tiny Qwen2, images on the digits Flux) with a short context, so
+# that a generated max_tokens cannot make one example take minutes.
+FLAGS = ["--max-model-len", "256"]
+
+
+@pytest.fixture(scope="module")
+def fuzzed(tmp_path_factory):
+    srv = ServerProcess(FLAGS, tmp_path_factory.mktemp("fuzz") / "server.log")
+    yield srv
+    assert srv.stop(), "processes of the server were still alive after SIGTERM"
+
+
+# Every route of the API, as the schema lists it: a new route fails the first test below
+# until it is fuzzed too.
+ROUTES = [
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/images/generations"),
+    ("POST", "/v1/images/edits"),
+    ("POST", "/v1/audio/speech"),
+    ("GET", "/v1/models"),
+    ("GET", "/v1/omni/info"),
+    ("GET", "/v1/omni/plan"),
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+]
+EXAMPLES = 25  # per route and mode
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzzed):
+    return schemathesis.openapi.from_url(fuzzed.url + "/openapi.json")
+
+
+def test_the_schema_lists_every_route(api_schema):
+    listed = {(op.ok().method.upper(), op.ok().path) for op in api_schema.get_all_operations()}
+    assert listed == set(ROUTES)
+
+
+def assert_openai_error(response, where: str) -> None:
+    body = response.json()
+    assert set(body) == {"error"}, where
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"], where
+    assert error["code"] == response.status_code, where
+    assert isinstance(error["type"], str), where
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+@pytest.mark.parametrize("method, path", ROUTES)
+def test_no_generated_request_is_a_server_error(fuzzed, api_schema, method, path, mode):
+    """Positive: bodies the schema allows; negative: bodies that break it."""
+    operation = api_schema[path][method]
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    def send(case):
+        response = case.call(timeout=120)
+        where = f"{response.status_code}: {response.text[:400]}\n{case.as_curl_command()}"
+        assert response.status_code < 500, where
+        if response.status_code >= 400:
+            assert_openai_error(response, where)
+
+    send()
+    assert httpx.get(fuzzed.url + "/health", timeout=10).status_code == 200
