@@ -243,6 +243,48 @@ def test_image_input_answers_in_text_and_speech(client):
     assert rate == 24000 and len(waveform) > 0
 
 
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
+    {"type": "image_url", "image_url": {"url": "/etc/passwd"}},
+    {"type": "input_audio", "input_audio": {"data": "/etc/passwd", "format": "wav"}},
+    # Broken payloads: not base64, and base64 of something that is no image or audio.
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!not*base64!!"}},
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}},
+    {"type": "input_audio", "input_audio": {"data": "bm90IGF1ZGlv", "format": "wav"}},
+])
+def test_bad_media_parts_are_400(server, part):
+    """A media part naming a file of the server's machine is refused (vLLM reads local files
+    only under --allowed-local-media-path, which is unset), and nothing of it comes back; a
+    payload that is not what it says is a 400 too."""
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "read it"}]}]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "any", "messages": messages, "max_tokens": 4})
+    # The model check comes first: an unknown model is a 404 before any part is read.
+    assert r.status_code == 404, r.text
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": httpx.get(server.url + "/v1/models").json()["data"][0]["id"],
+                         "messages": messages, "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    assert "root:" not in r.text and r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/../../../../etc/passwd", "/playground/../../etc/passwd",
+                                  "/playground/%2e%2e/%2e%2e/%2e%2e/etc/passwd",
+                                  "/playground/..%2f..%2f..%2fetc%2fpasswd"])
+def test_static_files_stay_in_the_playground(server, path):
+    r = httpx.get(server.url + path, timeout=10)
+    assert r.status_code == 404 and "root:" not in r.text, (path, r.status_code, r.text[:200])
+
+
+@pytest.mark.parametrize("model", ["/etc/passwd", "../../../etc/passwd", "~/.ssh/id_rsa"])
+def test_model_names_are_names_not_paths(server, model):
+    for route, body in [("/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+                        ("/v1/audio/speech", {"input": "hi", "voice": "Chelsie"})]:
+        r = httpx.post(server.url + route, json={"model": model, **body}, timeout=60)
+        assert r.status_code == 404 and "root:" not in r.text, (route, r.text[:200])
+
+
 READING = {"talker": {"temperature": 0, "max_tokens": TALKER_TOKENS}, "code2wav": {"seed": SEED}}
 
 

@@ -139,6 +139,9 @@ def test_malformed_json_is_400(server, body):
         ({"n": "many"}, "n"),
         ({"messages": "not a list"}, "messages"),
         ({"logprobs": True}, "logprobs"),
+        # An openai-harmony message (gpt-oss's format), which vLLM's union admits and its
+        # chat renderer cannot read: found by tests/test_fuzz.py as a 500.
+        ({"messages": [{"author": {"role": "user"}, "content": []}]}, "messages[0]"),
     ],
 )
 def test_invalid_parameters_are_400(client, extra, param):

@@ -4,11 +4,19 @@ image and speech requests), and the errors that become OpenAI-style error respon
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable
 from http import HTTPStatus
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -36,6 +44,17 @@ class OmniChatCompletionRequest(ChatCompletionRequest):
         description='Outputs to compute, as in OpenAI\'s API (e.g. ["text"]); stages that '
         "only serve other outputs are skipped. Default: every final output of the pipeline.",
     )
+
+    @model_validator(mode="after")
+    def _chat_messages_only(self) -> OmniChatCompletionRequest:
+        # vLLM's message union also admits openai-harmony `Message` objects (gpt-oss's
+        # format: author, recipient, channel), which its chat renderer cannot read: such a
+        # body is the caller's mistake, not a server error.
+        for i, message in enumerate(self.messages):
+            if not isinstance(message, dict):
+                raise ValueError(f"messages[{i}] is not a chat message: it needs a 'role' "
+                                 "(system, user, assistant, tool, ...) and its 'content'")
+        return self
 
 
 class OmniCompletionRequest(CompletionRequest):
@@ -142,8 +161,15 @@ def error_response(status: HTTPStatus, message: str, param: str | None = None) -
     return JSONResponse(error_body(status, message, param), status_code=int(status))
 
 
-def raise_for_error(result: Any) -> Any:
-    """vLLM's renderers return an ErrorResponse instead of raising: raise it as a 4xx."""
+async def rendered(call: Awaitable[Any]) -> Any:
+    """What a vLLM renderer made of a request. Renderers answer some bad requests with an
+    ErrorResponse and raise for others, as vLLM's own server expects of them: a media URL
+    they may not read (RuntimeError), a payload that does not decode (ValueError). Each is
+    the request's fault: a 4xx with vLLM's message."""
+    try:
+        result = await call
+    except (ValueError, RuntimeError) as e:
+        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, str(e)) from e
     if isinstance(result, ErrorResponse):
         err = result.error
         raise OmniHTTPError(HTTPStatus(err.code), err.message, err.param)

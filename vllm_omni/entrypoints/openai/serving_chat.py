@@ -36,7 +36,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     AudioOutputParams,
     OmniChatCompletionRequest,
     OmniHTTPError,
-    raise_for_error,
+    rendered,
 )
 from vllm_omni.entrypoints.openai.serving_base import (
     EntryRenderer,
@@ -84,7 +84,7 @@ class OmniServingChat(OmniServing):
         self._check_chat_answer(request)
         extra = self._audio_params(request)
         request = self._with_system_prompt(request)
-        _, engine_inputs = raise_for_error(await self.renderer.render_chat(request))
+        _, engine_inputs = await rendered(self.renderer.render_chat(request))
         (engine_input,) = engine_inputs
         prompt_len = len(engine_input["prompt_token_ids"])
         params = self.text_request_params(request, prompt_len, extra)

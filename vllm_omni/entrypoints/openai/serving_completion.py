@@ -19,7 +19,7 @@ from vllm.inputs import EngineInput
 from vllm_omni.entrypoints.openai.protocol import (
     OmniCompletionRequest,
     OmniHTTPError,
-    raise_for_error,
+    rendered,
 )
 from vllm_omni.entrypoints.openai.serving_base import (
     OmniServing,
@@ -52,8 +52,8 @@ class OmniServingCompletion(OmniServing):
                 f"pipeline {self.omni.pipeline.name!r} does not output text; "
                 "use /v1/images/generations or /v1/chat/completions",
             )
-        engine_inputs: list[EngineInput] = raise_for_error(
-            await self.renderer.render_completion(request)
+        engine_inputs: list[EngineInput] = await rendered(
+            self.renderer.render_completion(request)
         )
         streams = []
         prompt_lens = []

@@ -29,7 +29,7 @@ from vllm_omni.entrypoints.openai.audio import (
 from vllm_omni.entrypoints.openai.protocol import (
     OmniHTTPError,
     SpeechRequest,
-    raise_for_error,
+    rendered,
 )
 from vllm_omni.entrypoints.openai.serving_base import OmniServing, sse
 from vllm_omni.processors import REPLY_START
@@ -93,8 +93,8 @@ class OmniServingSpeech(OmniServing):
         if system:
             messages.insert(0, {"role": "system", "content": system})
         chat = ChatCompletionRequest(messages=messages, add_generation_prompt=True)
-        _, (rendered,) = raise_for_error(await self.renderer.render_chat(chat))
-        head = list(rendered["prompt_token_ids"])
+        _, (prompt,) = await rendered(self.renderer.render_chat(chat))
+        head = list(prompt["prompt_token_ids"])
         tokenizer = self.omni.text_stage.renderer.get_tokenizer()
         reply = tokenizer.encode(request.input, add_special_tokens=False)
         return {"prompt_token_ids": head + reply}, len(head)
