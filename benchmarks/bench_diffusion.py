@@ -58,18 +58,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--device", default="cpu", help="cuda: the same comparison on a GPU")
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
 
     from diffusers import DiffusionPipeline
 
     folder = str(get_or_make(args.model))
     torch.set_num_threads(args.threads)
-    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe = DiffusionPipeline.from_pretrained(folder, dtype=getattr(torch, args.dtype))
+    pipe.to(args.device)
     pipe.set_progress_bar_config(disable=True)
     worker = ThreadPoolExecutor(1)  # one request at a time, in arrival order
     engine = AsyncDiffusionEngine(
         folder, EngineOptions(num_threads=args.threads, max_batch_size=args.max_batch_size,
-                              max_image_pixels=args.size * args.size)
+                              max_image_pixels=args.size * args.size, device=args.device,
+                              dtype=args.dtype)
     )
     prompts = [f"a picture of thing number {i}" for i in range(256)]
 
@@ -107,7 +111,8 @@ def main() -> None:
         asyncio.run(run_all())
     finally:
         engine.shutdown()
-    print(f"\n{args.model} {args.size}x{args.size}, {args.steps} steps, {args.threads} threads")
+    print(f"\n{args.model} {args.size}x{args.size}, {args.steps} steps, {args.threads} threads, "
+          f"{args.device}, {args.dtype}")
     print("| concurrency | vllm-omni img/s | diffusers img/s | throughput ratio | "
           "vllm-omni latency s | diffusers latency s | latency ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
