@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 class StageSupervisor:
+    """Watches the orchestrator's stages from a task on the server's loop and restarts a
+    dead or hung one in place (see the module's docstring)."""
+
     def __init__(self, orchestrator: Orchestrator, context: StartContext, restarts: int,
                  hang_timeout: float | None, interval: float = 1.0) -> None:
         self.orchestrator = orchestrator

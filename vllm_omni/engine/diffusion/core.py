@@ -36,7 +36,7 @@ class EngineOptions:
 
     dtype: str = "float32"
     device: str = "cpu"
-    # On CPU a batch above ~8 images is slower per image than 8 (benchmarks/RESULTS.md);
+    # On a CPU, larger batches stop paying per image past a few (benchmarks/RESULTS.md);
     # GPUs gain from larger batches: raise it there.
     max_batch_size: int = 8
     # Latent tokens x images per transformer call; default: no limit beyond batch size.
