@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -48,6 +49,8 @@ def engine_options(
     options = {**stage.engine_args, **given}
     if stage.placement is not None:
         options.setdefault("device", stage.placement.device)
+        if stage.placement.cores:
+            options.setdefault("cores", list(stage.placement.cores))
     if options.get("dtype") in (None, "auto"):
         options["dtype"] = "float32"
     defaults = {**stage.sampling_params, **options.get("defaults", {})}
@@ -105,8 +108,24 @@ class DiffusionStage(EngineStage):
         """Its weights at the engine's dtype, and the activations of a full batch at the
         model's default resolution. An estimate: the larger of the transformer's (16
         hidden-sized tensors per token, both guidance branches) and the VAE decoder's (3
-        tensors of its first block's channels per pixel)."""
+        tensors of its first block's channels per pixel). A parallel stage's other ranks
+        each hold a copy of the transformer; degrees the model or the machine cannot
+        honour are the plan's `problems`."""
+        from vllm_omni.engine.diffusion.parallel.layout import (
+            Layout,
+            parallel_problems,
+            rank_devices,
+        )
+
         options = engine_options(config, context.engine_kwargs, context.cache_config)
+        model = config.model or context.model
+        world = Layout.of(options).world
+        cores = sorted(options.cores or os.sched_getaffinity(0))
+        problems = parallel_problems(config.name, options, model, device, cores)
+        if problems:
+            return StagePlan(stage=config.name, engine=config.engine, device=device, weights=0,
+                             kv_cache=0, activations=0, runtime=0, ranks=world,
+                             rank_devices=rank_devices(device, world), problems=problems)
         itemsize = TORCH_BYTES.get(options.dtype, 4)
         root = Path(config.model or context.model)
         dit = read_config(root / "transformer" / "config.json") or read_config(
@@ -127,13 +146,16 @@ class DiffusionStage(EngineStage):
         tokens = (side // scale // patch) ** 2
         per_image = max(2 * tokens * inner * itemsize * 16, side * side * channels * 3 * itemsize)
         weights = weights_bytes(str(root), None, itemsize)
+        if world > 1:
+            weights += (world - 1) * weights_bytes(str(root / "transformer"), None, itemsize)
         if options.offload:  # the device holds one model, or one block, at a time
             weights = max((weights_bytes(str(p), None, itemsize) for p in root.iterdir()
                            if p.is_dir()), default=weights)
         return StagePlan(
             stage=config.name, engine=config.engine, device=device, weights=weights,
             kv_cache=0, activations=per_image * options.max_batch_size,
-            runtime=int(RUNTIME[("other", device[:4])]),
+            runtime=int(RUNTIME[("other", device[:4])]) * world, ranks=world,
+            rank_devices=rank_devices(device, world),
         )
 
     @classmethod

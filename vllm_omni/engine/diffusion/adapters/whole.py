@@ -60,6 +60,9 @@ class WholeRequestAdapter:
         factor = getattr(self.pipe, "vae_scale_factor", None)
         return (size * factor) ** 2 if isinstance(size, int) and isinstance(factor, int) else None
 
+    def release(self, request_id: str) -> None:
+        """Nothing of a request outlives its call here."""
+
     def check_cache(self, config: CacheConfig) -> None:
         if config.enabled:
             raise ValueError(
