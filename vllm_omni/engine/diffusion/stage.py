@@ -38,15 +38,17 @@ _SHARED_ARGS = {"dtype"}
 
 
 def engine_options(
-    stage: StageConfig, engine_kwargs: dict[str, Any], cache_config: dict[str, Any] | None = None
+    stage: StageConfig, engine_kwargs: dict[str, Any], cache_config: dict[str, Any] | None = None,
+    parallel: dict[str, int] | None = None,
 ) -> EngineOptions:
-    """Options from the stage's YAML `engine_args`, then the caller's shared args (dtype);
-    `cache_config` (the server's step caching) over the stage's default `cache` params."""
+    """Options from the stage's YAML `engine_args`, then the caller's shared args (dtype)
+    and parallel degrees; `cache_config` (the server's step caching) over the stage's
+    default `cache` params."""
     given = {k: v for k, v in engine_kwargs.items() if k in _SHARED_ARGS}
     ignored = sorted(set(engine_kwargs) - _SHARED_ARGS)
     if ignored:
         logger.info("stage %r: vLLM engine args %s do not apply to diffusion", stage.name, ignored)
-    options = {**stage.engine_args, **given}
+    options = {**stage.engine_args, **given, **(parallel or {})}
     if stage.placement is not None:
         options.setdefault("device", stage.placement.device)
         if stage.placement.cores:
@@ -117,7 +119,8 @@ class DiffusionStage(EngineStage):
             rank_devices,
         )
 
-        options = engine_options(config, context.engine_kwargs, context.cache_config)
+        options = engine_options(config, context.engine_kwargs, context.cache_config,
+                                 context.diffusion_parallel)
         model = config.model or context.model
         world = Layout.of(options).world
         cores = sorted(options.cores or os.sched_getaffinity(0))
@@ -167,7 +170,8 @@ class DiffusionStage(EngineStage):
     def __init__(self, config: StageConfig, context: StartContext) -> None:
         self.config = config
         self.name = config.name
-        options = engine_options(config, context.engine_kwargs, context.cache_config)
+        options = engine_options(config, context.engine_kwargs, context.cache_config,
+                                 context.diffusion_parallel)
         self.engine = AsyncDiffusionEngine(config.model or context.model, options)
         logger.info("stage %r serves %s", self.name, self.engine.info)
 
