@@ -19,6 +19,7 @@ import numpy as np
 
 from vllm_omni.engine.diffusion.batch_sizer import BatchSizer
 from vllm_omni.engine.diffusion.cache import CacheConfig
+from vllm_omni.engine.diffusion.parallel.clock import COMM
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 from vllm_omni.engine.diffusion.scheduler import DiffusionScheduler
@@ -92,6 +93,9 @@ class DiffusionOutput(CoreOutput):
     images: list[np.ndarray] | None = None
     # Step-cache stats of a finished request: method, computed_steps, cached_steps.
     cache: dict[str, Any] | None = None
+    # A parallel stage: seconds rank 0 spent in collectives during the request's steps
+    # (shared with the requests batched with it), for benchmarks.
+    comm_seconds: float | None = None
 
 
 class DiffusionCore(CoreBase):
@@ -215,6 +219,7 @@ class DiffusionCore(CoreBase):
         batch = self.scheduler.pick_batch()
         if batch:
             start = time.perf_counter()
+            comm = COMM.seconds
             try:
                 self.adapter.denoise(batch)
             except Exception as e:
@@ -225,6 +230,8 @@ class DiffusionCore(CoreBase):
                     self.scheduler.sizer.record(batch[0].key, images, time.perf_counter() - start)
                 now = time.monotonic()
                 for r in batch:
+                    if self.adapter.parallel is not None:
+                        r.extras["comm"] = r.extras.get("comm", 0.0) + COMM.seconds - comm
                     last = self._last_progress.get(r.request_id, r.arrival_time)
                     if not r.denoised and now - last >= self.progress_interval:
                         self._last_progress[r.request_id] = now
@@ -246,5 +253,6 @@ class DiffusionCore(CoreBase):
             self.send(DiffusionOutput(
                 r.request_id, finished=True, seed=r.params.seed, step=r.num_steps,
                 num_steps=r.num_steps, images=r.images, cache=r.cache_stats(),
+                comm_seconds=r.extras.get("comm"),
                 handle=self.connector.put({"latents": r.latents}) if latent_only else None,
             ))

@@ -24,6 +24,7 @@ class WholeRequestAdapter:
 
     family = "whole-request"
     step_level = False
+    parallel = None  # whole requests run in one process
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe

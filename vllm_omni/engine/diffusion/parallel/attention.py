@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 
+from vllm_omni.engine.diffusion.parallel.clock import COMM
+
 
 @dataclass
 class SequenceGroup:
@@ -70,7 +72,8 @@ class SequenceParallelAttention:
         b, s, h, d = x.shape
         send = x.reshape(b, s, u, h // u, d).permute(2, 0, 1, 3, 4).contiguous()
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group.ulysses_group)
+        with COMM.timing():
+            dist.all_to_all_single(recv, send, group=self.group.ulysses_group)
         return recv.permute(1, 0, 2, 3, 4).reshape(b, u * s, h // u, d)
 
     def _sequence_to_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +82,8 @@ class SequenceParallelAttention:
         b, s, h, d = x.shape
         send = x.reshape(b, u, s // u, h, d).permute(1, 0, 2, 3, 4).contiguous()
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group.ulysses_group)
+        with COMM.timing():
+            dist.all_to_all_single(recv, send, group=self.group.ulysses_group)
         return recv.permute(1, 2, 0, 3, 4).reshape(b, s // u, u * h, d)
 
     # -- ring --------------------------------------------------------------------------------
@@ -105,8 +109,9 @@ class SequenceParallelAttention:
                 merged = torch.logaddexp(lse, block_lse)
                 out = out * torch.exp(lse - merged) + block_out * torch.exp(block_lse - merged)
                 lse = merged
-            for work in pending:
-                work.wait()
+            with COMM.timing():
+                for work in pending:
+                    work.wait()
             if pending:
                 kv = incoming
         return out.to(q.dtype)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_omni.engine.diffusion.cache import CacheSlot
+from vllm_omni.engine.diffusion.parallel.clock import COMM
 from vllm_omni.engine.diffusion.parallel.layout import Layout, rank_cores, rank_devices
 from vllm_omni.engine.diffusion.parallel.rank import (
     Call,
@@ -204,7 +205,8 @@ class ParallelTransformer:
                     shards.append(own)
                     continue
                 piece = torch.empty_like(own)
-                dist.recv(piece, rank)
+                with COMM.timing():
+                    dist.recv(piece, rank)
                 shards.append(piece)
             dim = self.spec.output_sequence_dim
             parts.append(torch.cat(shards, dim) if len(shards) > 1 else shards[0])
@@ -214,7 +216,8 @@ class ParallelTransformer:
                 mine = [slots[r] for r in rows]
                 if any(mine):
                     flags = torch.empty(len(rows), dtype=torch.long, device=own.device)
-                    dist.recv(flags, lay.sequence_ranks(c)[0])
+                    with COMM.timing():
+                        dist.recv(flags, lay.sequence_ranks(c)[0])
                     for slot, cached in zip(mine, flags.tolist(), strict=True):
                         if slot is not None:
                             slot.count(bool(cached))

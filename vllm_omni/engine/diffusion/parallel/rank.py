@@ -30,6 +30,7 @@ from vllm_omni.engine.diffusion.parallel.attention import (
     FluxSequenceParallelProcessor,
     SequenceGroup,
 )
+from vllm_omni.engine.diffusion.parallel.clock import COMM
 from vllm_omni.engine.diffusion.parallel.layout import Layout
 
 
@@ -105,7 +106,8 @@ class RankRuntime:
 
     def _sum_over_sequence(self, stats: torch.Tensor) -> torch.Tensor:
         stats = stats.to(self.device)
-        dist.all_reduce(stats, group=self.sequence_group)
+        with COMM.timing():
+            dist.all_reduce(stats, group=self.sequence_group)
         return stats
 
     # -- one call ------------------------------------------------------------------------
@@ -137,7 +139,8 @@ class RankRuntime:
         with self.cache.step(mine, [call.timesteps[r] for r in rows]):
             out = self.transformer(**kwargs, return_dict=False)[0].contiguous()
         if self.rank != 0:
-            dist.send(out, 0)
+            with COMM.timing():
+                dist.send(out, 0)
             if self.sequence_index == 0 and any(mine):
                 # rank 0 counts the steps its group cached (a request's cache stats)
                 flags = [int(s.cached > b) if s else 0 for s, b in zip(mine, before, strict=True)]
@@ -154,8 +157,9 @@ class RankRuntime:
         refs = [v for v in call.kwargs.values() if isinstance(v, TensorRef)]
         if tensors is None:
             tensors = [torch.empty(r.shape, dtype=r.dtype, device=self.device) for r in refs]
-        for t in tensors:
-            dist.broadcast(t, 0)
+        with COMM.timing():
+            for t in tensors:
+                dist.broadcast(t, 0)
         return {k: tensors[v.index] if isinstance(v, TensorRef) else v
                 for k, v in call.kwargs.items()}
 
