@@ -32,6 +32,9 @@ class StartContext:
     usage_context: Any = None  # vLLM's UsageContext
     cache_config: dict[str, Any] | None = None  # the server's step caching (diffusion)
     memory_plan: MemoryPlan | None = None  # set once planned, before stages start
+    # Degrees for every diffusion stage (ulysses_degree, ring_degree, cfg_parallel_size),
+    # over the stages' own engine_args (the CLI's --ulysses-degree...).
+    diffusion_parallel: dict[str, int] | None = None
 
 
 def register_stage_kind(name: str, path: str) -> None:

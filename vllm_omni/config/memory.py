@@ -272,13 +272,15 @@ def plan_pipeline(
     usage_context: Any,
     cache_config: dict[str, Any] | None = None,
     ar_device_type: str | None = None,
+    diffusion_parallel: dict[str, int] | None = None,
 ) -> MemoryPlan:
     """The memory plan of a pipeline served for `model` with the caller's engine args (CLI
     flags, OmniLLM kwargs). Starts nothing. Raises PlacementError naming every problem of
     devices and memory, or StageStartError naming every stage whose config is unusable."""
     from vllm.platforms import current_platform
 
-    context = StartContext(model, engine_kwargs, usage_context, cache_config)
+    context = StartContext(model, engine_kwargs, usage_context, cache_config,
+                           diffusion_parallel=diffusion_parallel)
 
     def need(stage: StageConfig, device: str) -> StagePlan:
         return stage_kind(stage.engine).memory_needs(stage, context, device)

@@ -45,6 +45,8 @@ class AsyncOmniLLM:
             0: never (orchestrator/supervisor.py).
         stage_hang_timeout: seconds a stage's engine may leave a probe unanswered before
             it counts as hung; None: dead engines only.
+        diffusion_parallel: ranks of every diffusion stage (`ulysses_degree`, `ring_degree`,
+            `cfg_parallel_size`), over each stage's own engine_args.
         **engine_kwargs: vLLM engine args applied to every AR stage (dtype, max_model_len...);
             diffusion stages take the ones that apply to them (dtype).
     """
@@ -59,6 +61,7 @@ class AsyncOmniLLM:
         cache_config: dict[str, Any] | None = None,
         stage_restarts: int = 3,
         stage_hang_timeout: float | None = 120.0,
+        diffusion_parallel: dict[str, int] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         self.model = model
@@ -66,7 +69,8 @@ class AsyncOmniLLM:
         # Once, here: stages start in threads, and vLLM marks plugins loaded before it has
         # run them, so a second thread could build its config before our models register.
         load_general_plugins()
-        context = StartContext(model, engine_kwargs, usage_context, cache_config)
+        context = StartContext(model, engine_kwargs, usage_context, cache_config,
+                               diffusion_parallel=diffusion_parallel)
         self.orchestrator = Orchestrator(self.pipeline, context)
         self.memory_plan = self.orchestrator.memory_plan
         self.stages: dict[str, Stage] = self.orchestrator.stages

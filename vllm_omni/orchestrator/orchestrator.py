@@ -55,7 +55,8 @@ class Orchestrator:
                            for s in pipeline.stages if s.input_processor}
         # Before any engine starts: a plan that cannot fit fails here, all problems named.
         context.memory_plan = plan_pipeline(pipeline, context.model, context.engine_kwargs,
-                                            context.usage_context, context.cache_config)
+                                            context.usage_context, context.cache_config,
+                                            diffusion_parallel=context.diffusion_parallel)
         self.memory_plan = context.memory_plan
         logger.info("Memory plan of pipeline %r (GiB):\n%s", pipeline.name,
                     self.memory_plan.table())

@@ -19,6 +19,7 @@ import numpy as np
 
 from vllm_omni.engine.diffusion.batch_sizer import BatchSizer
 from vllm_omni.engine.diffusion.cache import CacheConfig
+from vllm_omni.engine.diffusion.parallel.clock import COMM
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 from vllm_omni.engine.diffusion.scheduler import DiffusionScheduler
@@ -57,9 +58,21 @@ class EngineOptions:
     # (max_batch_size times the default area); a larger one is refused (a 400) instead of
     # exhausting memory.
     max_image_pixels: int | None = None
+    # Ranks (one process each; engine/diffusion/parallel/): the image tokens split between
+    # `ulysses_degree x ring_degree` ranks, the two guidance branches between
+    # `cfg_parallel_size` groups of them. The stage's world is their product.
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    cfg_parallel_size: int = 1
+    # CPU cores the ranks split evenly (from the stage's placement); default: this
+    # process' cores.
+    cores: list[int] | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from vllm_omni.engine.diffusion.parallel.layout import check_degrees
+
+        check_degrees(self)
         if self.offload is not None:
             if self.offload not in OFFLOAD_MODES:
                 raise ValueError(f"offload must be one of {list(OFFLOAD_MODES)}, "
@@ -80,6 +93,9 @@ class DiffusionOutput(CoreOutput):
     images: list[np.ndarray] | None = None
     # Step-cache stats of a finished request: method, computed_steps, cached_steps.
     cache: dict[str, Any] | None = None
+    # A parallel stage: seconds rank 0 spent in collectives during the request's steps
+    # (shared with the requests batched with it), for benchmarks.
+    comm_seconds: float | None = None
 
 
 class DiffusionCore(CoreBase):
@@ -91,9 +107,16 @@ class DiffusionCore(CoreBase):
         from diffusers.utils import logging as diffusers_logging
 
         from vllm_omni.engine.diffusion.adapters import adapter_for
+        from vllm_omni.engine.diffusion.parallel.layout import Layout
 
         super().__init__(conn, options.num_threads)
         diffusers_logging.disable_progress_bar()
+        ranks = None
+        if Layout.of(options).world > 1:
+            from vllm_omni.engine.diffusion.parallel.driver import RankGroup
+
+            # Started first: they load their transformers while this process loads its own.
+            ranks = RankGroup(model, options)
         pipe = DiffusionPipeline.from_pretrained(model, dtype=getattr(torch, options.dtype))
         if options.offload == "model":
             pipe.enable_model_cpu_offload(device=options.device)
@@ -105,6 +128,8 @@ class DiffusionCore(CoreBase):
         else:
             pipe.to(options.device)
         self.adapter = adapter_for(pipe, options.device)
+        if ranks is not None:
+            self._parallel(ranks)
         self.defaults = options.defaults
         area = self.adapter.default_area()
         self.max_image_pixels = options.max_image_pixels or (
@@ -119,6 +144,22 @@ class DiffusionCore(CoreBase):
         self.connector = SharedMemoryConnector(prefix="omni-dit")
         self.progress_interval = options.progress_interval
         self._last_progress: dict[str, float] = {}
+
+    def _parallel(self, ranks) -> None:
+        from vllm_omni.engine.diffusion.parallel.driver import ParallelTransformer
+
+        a, layout = self.adapter, ranks.layout
+        if not a.step_level:
+            raise ValueError(f"{type(a.pipe).__name__} runs as whole requests: it cannot be "
+                             "split between ranks")
+        if layout.sequence > 1 and a.transformer_spec.output_sequence_dim is None:
+            raise ValueError(f"{type(a.pipe).__name__} has no sequence-parallel support")
+        spec = a.transformer_spec
+        runtime = ranks.connect(a.pipe.transformer, spec, a.modulated_input)
+        # The rank's runtime installed its own cache hooks on the transformer.
+        a.cache = runtime.cache
+        a.parallel = ParallelTransformer(ranks, runtime, spec)
+        a.sequence_parallel = layout.sequence
 
     def info(self) -> dict[str, Any]:
         a = self.adapter
@@ -153,6 +194,7 @@ class DiffusionCore(CoreBase):
 
     def drop(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
+        self.adapter.release(request_id)
         self._last_progress.pop(request_id, None)
 
     # -- the loop --------------------------------------------------------------------------
@@ -177,6 +219,7 @@ class DiffusionCore(CoreBase):
         batch = self.scheduler.pick_batch()
         if batch:
             start = time.perf_counter()
+            comm = COMM.seconds
             try:
                 self.adapter.denoise(batch)
             except Exception as e:
@@ -187,6 +230,8 @@ class DiffusionCore(CoreBase):
                     self.scheduler.sizer.record(batch[0].key, images, time.perf_counter() - start)
                 now = time.monotonic()
                 for r in batch:
+                    if self.adapter.parallel is not None:
+                        r.extras["comm"] = r.extras.get("comm", 0.0) + COMM.seconds - comm
                     last = self._last_progress.get(r.request_id, r.arrival_time)
                     if not r.denoised and now - last >= self.progress_interval:
                         self._last_progress[r.request_id] = now
@@ -208,5 +253,6 @@ class DiffusionCore(CoreBase):
             self.send(DiffusionOutput(
                 r.request_id, finished=True, seed=r.params.seed, step=r.num_steps,
                 num_steps=r.num_steps, images=r.images, cache=r.cache_stats(),
+                comm_seconds=r.extras.get("comm"),
                 handle=self.connector.put({"latents": r.latents}) if latent_only else None,
             ))

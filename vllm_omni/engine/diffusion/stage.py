@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -37,17 +38,21 @@ _SHARED_ARGS = {"dtype"}
 
 
 def engine_options(
-    stage: StageConfig, engine_kwargs: dict[str, Any], cache_config: dict[str, Any] | None = None
+    stage: StageConfig, engine_kwargs: dict[str, Any], cache_config: dict[str, Any] | None = None,
+    parallel: dict[str, int] | None = None,
 ) -> EngineOptions:
-    """Options from the stage's YAML `engine_args`, then the caller's shared args (dtype);
-    `cache_config` (the server's step caching) over the stage's default `cache` params."""
+    """Options from the stage's YAML `engine_args`, then the caller's shared args (dtype)
+    and parallel degrees; `cache_config` (the server's step caching) over the stage's
+    default `cache` params."""
     given = {k: v for k, v in engine_kwargs.items() if k in _SHARED_ARGS}
     ignored = sorted(set(engine_kwargs) - _SHARED_ARGS)
     if ignored:
         logger.info("stage %r: vLLM engine args %s do not apply to diffusion", stage.name, ignored)
-    options = {**stage.engine_args, **given}
+    options = {**stage.engine_args, **given, **(parallel or {})}
     if stage.placement is not None:
         options.setdefault("device", stage.placement.device)
+        if stage.placement.cores:
+            options.setdefault("cores", list(stage.placement.cores))
     if options.get("dtype") in (None, "auto"):
         options["dtype"] = "float32"
     defaults = {**stage.sampling_params, **options.get("defaults", {})}
@@ -105,8 +110,25 @@ class DiffusionStage(EngineStage):
         """Its weights at the engine's dtype, and the activations of a full batch at the
         model's default resolution. An estimate: the larger of the transformer's (16
         hidden-sized tensors per token, both guidance branches) and the VAE decoder's (3
-        tensors of its first block's channels per pixel)."""
-        options = engine_options(config, context.engine_kwargs, context.cache_config)
+        tensors of its first block's channels per pixel). A parallel stage's other ranks
+        each hold a copy of the transformer; degrees the model or the machine cannot
+        honour are the plan's `problems`."""
+        from vllm_omni.engine.diffusion.parallel.layout import (
+            Layout,
+            parallel_problems,
+            rank_devices,
+        )
+
+        options = engine_options(config, context.engine_kwargs, context.cache_config,
+                                 context.diffusion_parallel)
+        model = config.model or context.model
+        world = Layout.of(options).world
+        cores = sorted(options.cores or os.sched_getaffinity(0))
+        problems = parallel_problems(config.name, options, model, device, cores)
+        if problems:
+            return StagePlan(stage=config.name, engine=config.engine, device=device, weights=0,
+                             kv_cache=0, activations=0, runtime=0, ranks=world,
+                             rank_devices=rank_devices(device, world), problems=problems)
         itemsize = TORCH_BYTES.get(options.dtype, 4)
         root = Path(config.model or context.model)
         dit = read_config(root / "transformer" / "config.json") or read_config(
@@ -127,13 +149,16 @@ class DiffusionStage(EngineStage):
         tokens = (side // scale // patch) ** 2
         per_image = max(2 * tokens * inner * itemsize * 16, side * side * channels * 3 * itemsize)
         weights = weights_bytes(str(root), None, itemsize)
+        if world > 1:
+            weights += (world - 1) * weights_bytes(str(root / "transformer"), None, itemsize)
         if options.offload:  # the device holds one model, or one block, at a time
             weights = max((weights_bytes(str(p), None, itemsize) for p in root.iterdir()
                            if p.is_dir()), default=weights)
         return StagePlan(
             stage=config.name, engine=config.engine, device=device, weights=weights,
             kv_cache=0, activations=per_image * options.max_batch_size,
-            runtime=int(RUNTIME[("other", device[:4])]),
+            runtime=int(RUNTIME[("other", device[:4])]) * world, ranks=world,
+            rank_devices=rank_devices(device, world),
         )
 
     @classmethod
@@ -145,7 +170,8 @@ class DiffusionStage(EngineStage):
     def __init__(self, config: StageConfig, context: StartContext) -> None:
         self.config = config
         self.name = config.name
-        options = engine_options(config, context.engine_kwargs, context.cache_config)
+        options = engine_options(config, context.engine_kwargs, context.cache_config,
+                                 context.diffusion_parallel)
         self.engine = AsyncDiffusionEngine(config.model or context.model, options)
         logger.info("stage %r serves %s", self.name, self.engine.info)
 

@@ -79,6 +79,21 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         help="Do not serve the web playground at / (the API stays as it is).",
     )
     parser.add_argument(
+        "--ulysses-degree", type=int, default=None,
+        help="Diffusion stages: ranks the image tokens are split between, heads exchanged "
+        "all-to-all (Flux). The stage's ranks are the product of the three degrees.",
+    )
+    parser.add_argument(
+        "--ring-degree", type=int, default=None,
+        help="Diffusion stages: ranks the image tokens are split between, keys and values "
+        "passed around a ring (Flux).",
+    )
+    parser.add_argument(
+        "--cfg-parallel-size", type=int, default=None, choices=[1, 2],
+        help="Diffusion stages: 2 runs the two guidance branches on two groups of ranks "
+        "(Flux, SD3, Qwen-Image).",
+    )
+    parser.add_argument(
         "--cache-config",
         default=None,
         help='JSON of cache settings, e.g. \'{"threshold": 0.1, "warmup_steps": 2}\' '
@@ -112,6 +127,17 @@ def cache_config(args: argparse.Namespace) -> dict[str, Any] | None:
     except ValidationError as e:
         raise SystemExit(f"--cache-config: {e}") from None
     return config
+
+
+def diffusion_parallel(args: argparse.Namespace) -> dict[str, int] | None:
+    """--ulysses-degree / --ring-degree / --cfg-parallel-size as given (None: none set)."""
+    given = {name: getattr(args, name, None)
+             for name in ("ulysses_degree", "ring_degree", "cfg_parallel_size")}
+    given = {k: v for k, v in given.items() if v is not None}
+    for name, value in given.items():
+        if value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    return given or None
 
 
 def _make_tiny_parser(sub) -> None:
@@ -171,6 +197,7 @@ def serve(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
         logger.info("No model given: serving the built-in demo pipeline %s", pipeline)
     validate_parsed_serve_args(args)
     args.cache_config = cache_config(args)
+    args.diffusion_parallel = diffusion_parallel(args)
     run_server(args, explicit_engine_kwargs(args, defaults))
 
 

@@ -381,6 +381,7 @@ async def serve_http(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
         cache_config=getattr(args, "cache_config", None),
         stage_restarts=args.stage_restarts,
         stage_hang_timeout=args.stage_hang_timeout or None,
+        diffusion_parallel=getattr(args, "diffusion_parallel", None),
         **engine_kwargs,
     )
     try:

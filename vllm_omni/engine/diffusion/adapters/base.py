@@ -25,6 +25,7 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from vllm_omni.engine.diffusion.cache import CacheConfig, CacheSlot, DiTCacheManager
+from vllm_omni.engine.diffusion.parallel.rank import TransformerSpec
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 
@@ -32,13 +33,16 @@ from vllm_omni.engine.diffusion.request import DiffusionRequest
 class StepAdapter:
     """Shared machinery; a family subclass says how its pipeline encodes, predicts, decodes.
 
-    Subclasses set `size_multiple` and implement `encode_texts`, `initial_latents`,
-    `predict`, `latents_to_image`; `uses_cfg` / `combine` when their guidance differs.
+    Subclasses set `size_multiple` and `transformer_spec`, and implement `encode_texts`,
+    `initial_latents`, `transformer_inputs`, `latents_to_image`; `uses_cfg` / `combine`
+    when their guidance differs.
     """
 
     family: str = ""
     step_level = True
     takes_images = False  # text to image; an edit adapter would take input images
+    # How the transformer's arguments split between ranks (engine/diffusion/parallel/).
+    transformer_spec = TransformerSpec(batched=(), sequence={}, output_sequence_dim=None)
 
     def __init__(self, pipe: Any, device: str | torch.device) -> None:
         self.pipe = pipe
@@ -64,6 +68,9 @@ class StepAdapter:
         }
         self.max_sequence_length = call["max_sequence_length"].default
         self.cache = DiTCacheManager(pipe.transformer, self.modulated_input)
+        # The transformer call over several ranks (set by the core of a parallel stage).
+        self.parallel = None
+        self.sequence_parallel = 1  # ranks the image tokens are split between
 
     # -- per family --------------------------------------------------------------------
 
@@ -76,16 +83,17 @@ class StepAdapter:
     def initial_latents(self, req: DiffusionRequest, generator: torch.Generator) -> torch.Tensor:
         raise NotImplementedError
 
-    def predict(
+    def transformer_inputs(
         self, latents: torch.Tensor, t: torch.Tensor, conds: list[dict], reqs: list, rows: list
-    ) -> torch.Tensor:
-        """The transformer's prediction for a batch of rows (one row per image)."""
+    ) -> dict[str, Any]:
+        """The transformer's keyword arguments for a batch of rows (one row per image)."""
         raise NotImplementedError
 
     def latents_to_image(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def modulated_input(self, block, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def modulated_input(block, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         """The first block's timestep-modulated input (TeaCache's signal)."""
         norm = block.norm1 if hasattr(block, "norm1") else block.norm
         return norm(hidden, emb=temb)[0]
@@ -133,6 +141,12 @@ class StepAdapter:
                 raise ValueError(
                     f"{name} must be a multiple of {self.size_multiple} for this model, got {value}"
                 )
+        tokens = self.image_seq_len(p.height, p.width)
+        if tokens % self.sequence_parallel:
+            raise ValueError(
+                f"{p.width}x{p.height} makes {tokens} image tokens, which this stage's "
+                f"{self.sequence_parallel} sequence-parallel ranks cannot split evenly"
+            )
         return p
 
     def default_area(self) -> int:
@@ -180,7 +194,8 @@ class StepAdapter:
         req.scheduler.set_begin_index(0)
         if p.cache is not None and p.cache.enabled:
             branches = 2 if self.uses_cfg(p) else 1
-            req.cache_slots = [CacheSlot(p.cache) for _ in range(branches * p.num_images)]
+            req.cache_slots = [CacheSlot(p.cache, (req.request_id, i))
+                               for i in range(branches * p.num_images)]
         req.key = self.batch_key(req)
         req.cost = self.image_seq_len(p.height, p.width) * p.num_images
 
@@ -200,23 +215,36 @@ class StepAdapter:
         if cfg:
             # Both guidance branches in one call: rows are independent in the transformer.
             slots += self._cache_slots(reqs, rows, branch=1)
-            with self.cache.step(slots, torch.cat([t, t]).tolist()):
-                pred = self.predict(
-                    torch.cat([latents, latents]),
-                    torch.cat([t, t]),
-                    conds + [r.uncond for r in reqs],
-                    reqs + reqs,
-                    rows + rows,
-                )
+            inputs = self.transformer_inputs(
+                torch.cat([latents, latents]),
+                torch.cat([t, t]),
+                conds + [r.uncond for r in reqs],
+                reqs + reqs,
+                rows + rows,
+            )
+            pred = self.run_transformer(inputs, slots, torch.cat([t, t]).tolist(), cfg=True)
             pos, neg = pred.chunk(2)
             pred = self.combine(pos, neg, reqs, rows)
         else:
-            with self.cache.step(slots, t.tolist()):
-                pred = self.predict(latents, t, conds, reqs, rows)
+            inputs = self.transformer_inputs(latents, t, conds, reqs, rows)
+            pred = self.run_transformer(inputs, slots, t.tolist(), cfg=False)
         for r, noise in zip(reqs, pred.split(rows), strict=True):
             t_r = r.timesteps[r.step]
             r.latents = r.scheduler.step(noise, t_r, r.latents, return_dict=False)[0]
             r.step += 1
+
+    def run_transformer(self, inputs: dict[str, Any], slots: list, timesteps: list[float],
+                        cfg: bool) -> torch.Tensor:
+        """The transformer's output for `inputs`, here or over the stage's ranks."""
+        if self.parallel is not None:
+            return self.parallel(inputs, slots, timesteps, cfg)
+        with self.cache.step(slots, timesteps):
+            return self.pipe.transformer(**inputs, return_dict=False)[0]
+
+    def release(self, request_id: str) -> None:
+        """A request left the engine: its state on other ranks can go."""
+        if self.parallel is not None:
+            self.parallel.release(request_id)
 
     def decode(self, reqs: list[DiffusionRequest]) -> None:
         """VAE-decode finished requests (same size) into float HWC images in [0, 1]."""

@@ -7,11 +7,18 @@ from typing import Any
 import torch
 
 from vllm_omni.engine.diffusion.adapters.base import StepAdapter
+from vllm_omni.engine.diffusion.parallel.rank import TransformerSpec
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 
 
 class FluxAdapter(StepAdapter):
     family = "flux"
+    transformer_spec = TransformerSpec(
+        batched=("hidden_states", "timestep", "guidance", "pooled_projections",
+                 "encoder_hidden_states"),
+        sequence={"hidden_states": 1, "encoder_hidden_states": 1, "txt_ids": 0, "img_ids": 0},
+        output_sequence_dim=1,
+    )
 
     def __init__(self, pipe: Any, device: str | torch.device) -> None:
         super().__init__(pipe, device)
@@ -41,21 +48,20 @@ class FluxAdapter(StepAdapter):
         req.extras["image_ids"] = image_ids
         return latents
 
-    def predict(self, latents, t, conds, reqs, rows):
+    def transformer_inputs(self, latents, t, conds, reqs, rows):
         guidance = None
         if self.pipe.transformer.config.guidance_embeds:
             guidance = self._per_row([r.params.guidance_scale for r in reqs], rows, t).float()
         embeds = self._rows(conds, "embeds", rows)
-        return self.pipe.transformer(
-            hidden_states=latents,
-            timestep=t / 1000,
-            guidance=guidance,
-            pooled_projections=self._rows(conds, "pooled", rows),
-            encoder_hidden_states=embeds,
-            txt_ids=torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype),
-            img_ids=reqs[0].extras["image_ids"],
-            return_dict=False,
-        )[0]
+        return {
+            "hidden_states": latents,
+            "timestep": t / 1000,
+            "guidance": guidance,
+            "pooled_projections": self._rows(conds, "pooled", rows),
+            "encoder_hidden_states": embeds,
+            "txt_ids": torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype),
+            "img_ids": reqs[0].extras["image_ids"],
+        }
 
     def latents_to_image(self, latents, height, width):
         vae = self.pipe.vae

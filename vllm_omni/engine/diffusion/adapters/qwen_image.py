@@ -6,11 +6,18 @@ from __future__ import annotations
 import torch
 
 from vllm_omni.engine.diffusion.adapters.base import StepAdapter
+from vllm_omni.engine.diffusion.parallel.rank import TransformerSpec
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 
 
 class QwenImageAdapter(StepAdapter):
     family = "qwen-image"
+    # No sequence split yet: its rotary table is built for the whole image inside.
+    transformer_spec = TransformerSpec(
+        batched=("hidden_states", "timestep", "encoder_hidden_states",
+                 "encoder_hidden_states_mask", "img_shapes"),
+        sequence={}, output_sequence_dim=None,
+    )
 
     @property
     def size_multiple(self) -> int:
@@ -21,7 +28,8 @@ class QwenImageAdapter(StepAdapter):
         # Rescale so the guided prediction keeps the conditional one's norm, as the pipeline.
         return mixed * (pos.norm(dim=-1, keepdim=True) / mixed.norm(dim=-1, keepdim=True))
 
-    def modulated_input(self, block, hidden, temb):
+    @staticmethod
+    def modulated_input(block, hidden, temb):
         shift_scale_gate = block.img_mod(temb).chunk(2, dim=-1)[0]
         return block._modulate(block.img_norm1(hidden), shift_scale_gate)[0]
 
@@ -40,7 +48,7 @@ class QwenImageAdapter(StepAdapter):
             self.dtype, self.device, generator,
         )
 
-    def predict(self, latents, t, conds, reqs, rows):
+    def transformer_inputs(self, latents, t, conds, reqs, rows):
         longest = max(c["embeds"].shape[1] for c in conds)
         embeds, masks = [], []
         for c, n in zip(conds, rows, strict=True):
@@ -53,15 +61,14 @@ class QwenImageAdapter(StepAdapter):
         mask = torch.cat(masks)
         p = reqs[0].params
         f = self.pipe.vae_scale_factor * 2
-        return self.pipe.transformer(
-            hidden_states=latents,
-            timestep=t / 1000,
-            guidance=None,
-            encoder_hidden_states=torch.cat(embeds),
-            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-            img_shapes=[[(1, p.height // f, p.width // f)]] * latents.shape[0],
-            return_dict=False,
-        )[0]
+        return {
+            "hidden_states": latents,
+            "timestep": t / 1000,
+            "guidance": None,
+            "encoder_hidden_states": torch.cat(embeds),
+            "encoder_hidden_states_mask": None if bool(mask.all()) else mask,
+            "img_shapes": [[(1, p.height // f, p.width // f)]] * latents.shape[0],
+        }
 
     def latents_to_image(self, latents, height, width):
         vae = self.pipe.vae

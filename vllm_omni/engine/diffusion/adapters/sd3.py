@@ -5,12 +5,18 @@ from __future__ import annotations
 import torch
 
 from vllm_omni.engine.diffusion.adapters.base import StepAdapter
+from vllm_omni.engine.diffusion.parallel.rank import TransformerSpec
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 
 
 class SD3Adapter(StepAdapter):
     family = "sd3"
+    # No sequence split: SD3 patches its latents inside the transformer.
+    transformer_spec = TransformerSpec(
+        batched=("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections"),
+        sequence={}, output_sequence_dim=None,
+    )
 
     @property
     def size_multiple(self) -> int:
@@ -47,14 +53,13 @@ class SD3Adapter(StepAdapter):
             self.dtype, self.device, generator,
         )
 
-    def predict(self, latents, t, conds, reqs, rows):
-        return self.pipe.transformer(
-            hidden_states=latents,
-            timestep=t,
-            encoder_hidden_states=self._rows(conds, "embeds", rows),
-            pooled_projections=self._rows(conds, "pooled", rows),
-            return_dict=False,
-        )[0]
+    def transformer_inputs(self, latents, t, conds, reqs, rows):
+        return {
+            "hidden_states": latents,
+            "timestep": t,
+            "encoder_hidden_states": self._rows(conds, "embeds", rows),
+            "pooled_projections": self._rows(conds, "pooled", rows),
+        }
 
     def latents_to_image(self, latents, height, width):
         vae = self.pipe.vae

@@ -24,6 +24,7 @@ class WholeRequestAdapter:
 
     family = "whole-request"
     step_level = False
+    parallel = None  # whole requests run in one process
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
@@ -59,6 +60,9 @@ class WholeRequestAdapter:
         size = getattr(self.pipe, "default_sample_size", None)
         factor = getattr(self.pipe, "vae_scale_factor", None)
         return (size * factor) ** 2 if isinstance(size, int) and isinstance(factor, int) else None
+
+    def release(self, request_id: str) -> None:
+        """Nothing of a request outlives its call here."""
 
     def check_cache(self, config: CacheConfig) -> None:
         if config.enabled:

@@ -34,8 +34,10 @@ HOOK_NAME = "vllm_omni_step_cache"
 class CacheSlot:
     """The cache state of one row: one image of one request in one guidance branch."""
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, key: tuple = ()) -> None:
         self.config = config
+        # (request id, index): names the slot on every rank of a parallel stage.
+        self.key = key
         self.computed = 0
         self.cached = 0
         self._consecutive = 0
@@ -50,13 +52,22 @@ class CacheSlot:
             return 0, num_blocks
         return self.config.first_blocks, num_blocks - self.config.last_blocks
 
-    def decide(self, signal: torch.Tensor) -> bool:
-        """True to reuse the cached residual at this step; called once per step."""
+    def measure(self, signal: torch.Tensor) -> torch.Tensor | None:
+        """The sums whose ratio is the signal's relative L1 change since the slot's last
+        signal (None at first): kept as sums so slices of one sequence can be added up."""
+        if self._signal is None:
+            return None
+        return torch.stack([(signal - self._signal).abs().sum(), self._signal.abs().sum()])
+
+    def decide(self, signal: torch.Tensor, change: float | None = None) -> bool:
+        """True to reuse the cached residual at this step; called once per step with the
+        relative change from `measure`'s sums (added up over the ranks where the sequence
+        is split); measured here when not given."""
         c = self.config
+        if change is None and self._signal is not None:
+            total, base = self.measure(signal).tolist()
+            change = total / base
         step = self.computed + self.cached
-        change = None
-        if self._signal is not None:
-            change = ((signal - self._signal).abs().mean() / self._signal.abs().mean()).item()
         forced = (
             not self._history
             or change is None
@@ -71,16 +82,21 @@ class CacheSlot:
             reuse = not forced and self._accumulated < c.threshold
         else:
             reuse = not forced and change < c.threshold
-        if reuse:
-            self.cached += 1
-            self._consecutive += 1
-        else:
-            self.computed += 1
+        self.count(reuse)
+        if not reuse:
             self._consecutive = 0
             self._accumulated = 0.0
             if c.method == "block":
                 self._signal = signal
         return reuse
+
+    def count(self, reused: bool) -> None:
+        """Count one step (also for a row another rank decided: the request's stats)."""
+        if reused:
+            self.cached += 1
+            self._consecutive += 1
+        else:
+            self.computed += 1
 
     def store(self, t: float, hidden: torch.Tensor, encoder: torch.Tensor | None) -> None:
         self._history = [*self._history[-1:], (t, hidden, encoder)]
@@ -143,6 +159,9 @@ class DiTCacheManager:
         self.modulated_input = modulated_input
         self._blocks: list[nn.Module] = []
         self._active: _Step | None = None
+        # Sums the rows' change statistics over the ranks that hold slices of one sequence,
+        # so they all decide alike (None: one process holds the whole sequence).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.unsupported = self._why_not(transformer)
         if self.unsupported:
             return
@@ -224,15 +243,26 @@ class DiTCacheManager:
     def _decide(self, step: _Step, rows: list[int], block, kwargs) -> None:
         hidden, encoder = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
         modulated = None
+        signals, stats = [], []
         for r in rows:
-            slot = step.slots[r]
-            if slot.config.method == "teacache":
+            if step.slots[r].config.method == "teacache":
                 if modulated is None:
                     modulated = self.modulated_input(block, hidden, kwargs["temb"])
                 signal = modulated[r]
             else:
                 signal = hidden[r] - step.first_input[r]
-            step.reuse[r] = slot.decide(signal)
+            signals.append(signal)
+            stats.append(step.slots[r].measure(signal))
+        measured = [m for m in stats if m is not None]
+        changes = iter([])
+        if measured:
+            sums = torch.stack(measured).float()
+            if self.reduce is not None:
+                sums = self.reduce(sums)
+            changes = iter((sums[:, 0] / sums[:, 1]).tolist())
+        for r, signal, m in zip(rows, signals, stats, strict=True):
+            change = None if m is None else next(changes)
+            step.reuse[r] = step.slots[r].decide(signal, change)
             step.span_inputs[r] = (hidden[r], None if encoder is None else encoder[r])
 
     @staticmethod
