@@ -78,6 +78,9 @@ class DiffusionOutput(CoreOutput):
     step: int = 0
     num_steps: int = 0
     images: list[np.ndarray] | None = None
+    # A video pipeline's result instead: frames x height x width x 3 in [0, 1], and its rate.
+    video: np.ndarray | None = None
+    fps: int | None = None
     # Step-cache stats of a finished request: method, computed_steps, cached_steps.
     cache: dict[str, Any] | None = None
 
@@ -127,6 +130,7 @@ class DiffusionCore(CoreBase):
             "family": a.family,
             "step_level": a.step_level,
             "takes_images": a.takes_images,
+            "makes_video": a.makes_video,
             "defaults": a.defaults,
             "max_image_pixels": self.max_image_pixels,
         }
@@ -208,5 +212,6 @@ class DiffusionCore(CoreBase):
             self.send(DiffusionOutput(
                 r.request_id, finished=True, seed=r.params.seed, step=r.num_steps,
                 num_steps=r.num_steps, images=r.images, cache=r.cache_stats(),
+                video=r.video, fps=r.params.fps if r.video is not None else None,
                 handle=self.connector.put({"latents": r.latents}) if latent_only else None,
             ))
