@@ -131,6 +131,9 @@ class DiffusionCore(CoreBase):
             "step_level": a.step_level,
             "takes_images": a.takes_images,
             "makes_video": a.makes_video,
+            # What the API checks before it queues a job (None: the engine checks alone).
+            "size_multiple": getattr(a, "size_multiple", None),
+            "frame_step": getattr(a, "frame_step", None),
             "defaults": a.defaults,
             "max_image_pixels": self.max_image_pixels,
         }
