@@ -67,18 +67,23 @@ def test_engine_batches_videos_equal_to_diffusers(wan, reference):
         ("a red cat", {"seed": 3, "num_inference_steps": 4}),
         ("a blue dog", {"seed": 5, "num_inference_steps": 6, "negative_prompt": "ugly"}),
         ("green", {"seed": 7, "num_inference_steps": 4, "guidance_scale": 1.0}),
+        # Step caching at threshold 0 decides every step and reuses none: still equal.
+        ("a red cat", {"seed": 9, "num_inference_steps": 4,
+                       "cache": {"method": "teacache", "threshold": 0}}),
     ]
+    # A cache that reuses steps, in the same batch: its rows skip blocks, the others do not.
+    cached = ("a red cat", {"seed": 3, "num_inference_steps": 4,
+                            "cache": {"method": "block", "threshold": 100, "warmup_steps": 1}})
     engine = AsyncDiffusionEngine(str(wan), EngineOptions(progress_interval=0))
     try:
         assert engine.info["family"] == "wan" and engine.info["step_level"]
 
         async def together():
             return await asyncio.gather(*(_video(engine, f"r{i}", p, **kw)
-                                          for i, (p, kw) in enumerate(requests)))
+                                          for i, (p, kw) in enumerate([*requests, cached])))
 
-        results = asyncio.run(together())
+        *results, (skipping, _) = asyncio.run(together())
         for bad, message in [({"num_frames": 8}, "4k\\+1"), ({"height": 40}, "multiple of 16"),
-                             ({"cache": {"method": "teacache"}}, "cannot be cached"),
                              ({"true_cfg_scale": 2.0}, "guidance_scale")]:
             with pytest.raises(ValueError, match=message):
                 asyncio.run(_video(engine, "bad", "x", **bad))
@@ -88,8 +93,12 @@ def test_engine_batches_videos_equal_to_diffusers(wan, reference):
         assert steps == list(range(1, kw["num_inference_steps"] + 1))
         assert out.images is None and out.fps == 16 and out.video.shape == (9, 32, 48, 3)
         kw = dict(kw)
+        kw.pop("cache", None)
         want = reference(prompt, kw.pop("seed"), **kw)
         np.testing.assert_allclose(out.video, want, atol=1e-4, rtol=0, err_msg=prompt)
+    assert results[3][0].cache == {"method": "teacache", "computed_steps": 8, "cached_steps": 0}
+    assert skipping.cache["cached_steps"] > 0 and np.isfinite(skipping.video).all()
+    assert np.abs(skipping.video - results[0][0].video).max() > 1e-4  # it did skip work
 
 
 # -- offline: OmniLLM returns frames (PIL and float) with a progress bar over steps --------

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from vllm_omni.engine.diffusion.adapters.base import StepAdapter
-from vllm_omni.engine.diffusion.cache import CacheConfig
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 
@@ -55,11 +54,11 @@ class WanAdapter(StepAdapter):
                 f"{self.frame_step + 1}, {2 * self.frame_step + 1}, ...), got {p.num_frames}")
         return p
 
-    def check_cache(self, config: CacheConfig) -> None:
-        if config.enabled:
-            raise ValueError(
-                "WanPipeline cannot be cached: the step cache hooks transformer blocks that "
-                "return (text, image) streams, and Wan's blocks return only the video stream")
+    def modulated_input(self, block, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        # Wan's block: shift and scale of its self-attention from its table plus the step's
+        # projection (batch, 6, dim), over a plain layer norm.
+        shift, scale = (block.scale_shift_table + temb.float()).chunk(6, dim=1)[:2]
+        return block.norm1(hidden.float()) * (1 + scale) + shift
 
     def default_area(self) -> int:
         return self.defaults["height"] * self.defaults["width"]
