@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import ServerProcess
+from conftest import ServerProcess, screenshot
 from PIL import Image
 
 from vllm_omni.entrypoints.openai.protocol import OmniHTTPError
@@ -154,7 +154,8 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 def test_create_poll_download_delete(client, server, reference):
     video = client.videos.create(
         prompt="a red cat", size="48x32",
-        extra_body={"num_frames": 9, "num_inference_steps": 40, "seed": 3})
+        extra_body={"num_frames": 9, "num_inference_steps": 40, "seed": 3,
+                    "cache": {"method": "teacache", "threshold": 0}})  # computes every step
     assert video.object == "video" and video.status in ("queued", "in_progress")
     assert video.size == "48x32" and video.seconds == "0.5625"  # 9 frames at 16 fps
     seen = []
@@ -168,6 +169,7 @@ def test_create_poll_download_delete(client, server, reference):
     assert video.progress == 100 and video.completed_at >= video.created_at
     assert seen == sorted(seen) and any(0 < p < 100 for p in seen), seen  # steps counted
     assert video.model_extra["denoising_steps"] == {"done": 40, "total": 40}
+    assert video.model_extra["cache"]["computed_steps"] == 80  # both guidance branches
 
     want = reference("a red cat", 3, num_inference_steps=40)
     want8 = np.round(want * 255)
@@ -284,3 +286,37 @@ def test_jobs_are_bounded_and_survive_in_their_folder(tmp_path):
     with pytest.raises(OmniHTTPError) as gone:
         aged.get(d.id)
     assert gone.value.status == 404 and not (tmp_path / f"{d.id}.mp4").exists()
+
+
+# -- the playground's Videos tab, in a real browser ----------------------------------------
+
+
+@pytest.mark.slow
+def test_the_playground_makes_a_video(browser, server):
+    context = browser.new_context(viewport={"width": 1100, "height": 900})
+    page = context.new_page()
+    try:
+        page.goto(server.url + "/")
+        page.get_by_label("This server needs an API key").fill(KEY)
+        page.get_by_role("button", name="Connect").click()
+        page.get_by_role("tab", name="Videos").wait_for()
+        assert page.get_by_role("tab").all_inner_texts() == ["Videos", "Pipeline"]
+        page.get_by_role("tab", name="Videos").click()
+        page.get_by_label("Video width").fill("48")
+        page.get_by_label("Video height").fill("32")
+        page.get_by_label("Frames").fill("9")
+        page.get_by_label("Video steps").fill("4")
+        page.get_by_label("Video seed").fill("3")
+        page.get_by_role("button", name="Make video").click()
+        page.locator("#videos video").wait_for(timeout=120_000)
+        caption = page.locator("#videos figcaption").inner_text()
+        assert "48x32" in caption and "9 frames at 16 fps" in caption and "seed 3" in caption
+        # The browser can play what the server encoded: it reads the MP4's length.
+        duration = page.locator("#videos video").evaluate(
+            "v => new Promise(done => v.readyState >= 1 ? done(v.duration)"
+            " : v.addEventListener('loadedmetadata', () => done(v.duration)))")
+        assert abs(duration - 9 / 16) < 0.1
+        assert page.locator("#error").is_hidden()
+        screenshot(page, "videos-tab")
+    finally:
+        context.close()

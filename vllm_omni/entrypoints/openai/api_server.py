@@ -100,6 +100,28 @@ async def _parse_form(request: Request) -> dict[str, list[Any]]:
     return fields
 
 
+def _nested(fields: dict[str, Any]) -> dict[str, Any]:
+    """Form fields with objects in brackets, as the openai client sends `extra_body`'s
+    dicts in a multipart form ('cache[method]'), back into objects."""
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        name, sep, rest = key.partition("[")
+        if not (sep and rest.endswith("]") and name):
+            out[key] = value
+            continue
+        target = out.setdefault(name, {})
+        if not isinstance(target, dict):
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"{name}: given as a value and an object",
+                                name)
+        parts = rest[:-1].split("][")
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"{key}: conflicting fields", name)
+        target[parts[-1]] = value
+    return out
+
+
 async def _until_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -212,7 +234,7 @@ def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace
             elif forms and request.headers.get("content-type", "").startswith(
                     ("multipart/form-data", "application/x-www-form-urlencoded")):
                 fields = await _parse_form(request)
-                body = parse_model(body_type, {k: v[-1] for k, v in fields.items()})
+                body = parse_model(body_type, _nested({k: v[-1] for k, v in fields.items()}))
             else:
                 body = await _parse_json(request, body_type)
             rid = request.headers.get("X-Request-Id") or new_request_id(id_prefix)

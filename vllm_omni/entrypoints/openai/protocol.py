@@ -125,6 +125,13 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     negative_prompt: str | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    # Step caching for this request (CacheConfig's fields; over the server's --cache-config).
+    cache: dict[str, Any] | None = None
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache(cls, value: Any) -> Any:
+        return json.loads(value) if isinstance(value, str) else value  # a form's JSON text
 
     @field_validator("size")
     @classmethod

@@ -97,7 +97,8 @@ class OmniServingVideos(OmniServing):
                                 f"is {frames / fps:g} s, over this server's limit of "
                                 f"{self.max_seconds:g} s (--max-video-seconds)", "seconds")
         params = request.model_dump(
-            include={"num_inference_steps", "guidance_scale", "negative_prompt", "seed"},
+            include={"num_inference_steps", "guidance_scale", "negative_prompt", "seed",
+                     "cache"},
             exclude_none=True)
         params.update(width=width, height=height, num_frames=frames, fps=fps)
         try:
@@ -120,6 +121,7 @@ class OmniServingVideos(OmniServing):
             if final is None:
                 raise RuntimeError("the video stage finished without a video")
             video = final.video
+            job.cache = final.metrics.get("cache")
             contents = await asyncio.to_thread(
                 lambda: {"video": encode_mp4(video.frames, video.fps),
                          "thumbnail": encode_png(video.frames[0])})

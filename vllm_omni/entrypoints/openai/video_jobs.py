@@ -39,6 +39,7 @@ class VideoJob:
     completed_at: int | None = None
     seed: int | None = None
     error: dict[str, Any] | None = None
+    cache: dict[str, Any] | None = None  # step-cache statistics of a finished video
 
     @property
     def finished(self) -> bool:
@@ -73,6 +74,7 @@ class VideoJob:
             "fps": self.fps,
             "seed": self.seed,
             "denoising_steps": {"done": self.steps_done, "total": self.num_steps},
+            "cache": self.cache,
         }
 
 
