@@ -20,7 +20,8 @@ from vllm_omni.testing.tiny_models import make_tiny
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # The image-to-image model needs an input image: tests/test_images_server.py edits with it.
-TEXT_TO_IMAGE = [m for m in DIFFUSERS_MODELS if m not in ("sd3-img2img-tiny", "wan-tiny")]
+TEXT_TO_IMAGE = [m for m in DIFFUSERS_MODELS
+                 if m not in ("sd3-img2img-tiny", "wan-tiny", "wan-i2v-tiny")]
 REQUEST = {"prompt": "a red cat", "size": "64x64", "seed": 3, "num_inference_steps": 2}
 
 

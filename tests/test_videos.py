@@ -101,6 +101,41 @@ def test_engine_batches_videos_equal_to_diffusers(wan, reference):
     assert np.abs(skipping.video - results[0][0].video).max() > 1e-4  # it did skip work
 
 
+@pytest.mark.slow
+def test_image_to_video_runs_whole_requests_equal_to_diffusers(tmp_path):
+    """Wan 2.1 image-to-video (no step adapter yet) runs `pipeline(...)` per request and
+    returns a video; its frame count is checked like text-to-video's."""
+    from diffusers import DiffusionPipeline
+
+    from vllm_omni.config.loader import resolve_pipeline
+    from vllm_omni.engine.diffusion import AsyncDiffusionEngine
+
+    folder = make_tiny("wan-i2v-tiny", tmp_path / "wan-i2v")
+    assert resolve_pipeline(folder).name == "video"
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 48, 3), np.uint8))
+    engine = AsyncDiffusionEngine(str(folder))
+    try:
+        assert engine.info["takes_images"] and engine.info["makes_video"]
+        assert engine.info["frame_step"] == 4 and not engine.info["step_level"]
+
+        async def i2v(**params):
+            outs = [o async for o in engine.generate("i2v", "a cat", {**SHAPE, **params},
+                                                     [image])]
+            return outs[-1]
+
+        out = asyncio.run(i2v(seed=1, num_inference_steps=3))
+        with pytest.raises(ValueError, match="4k\\+1"):
+            asyncio.run(i2v(num_frames=6))
+    finally:
+        engine.shutdown()
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(image=image, prompt="a cat", num_inference_steps=3, output_type="np",
+                generator=torch.Generator().manual_seed(1), **SHAPE).frames[0]
+    assert out.fps == 16 and out.video.shape == (9, 32, 48, 3)
+    np.testing.assert_allclose(out.video, want, atol=1e-4, rtol=0)
+
+
 # -- offline: OmniLLM returns frames (PIL and float) with a progress bar over steps --------
 
 

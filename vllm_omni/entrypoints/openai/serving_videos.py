@@ -75,6 +75,9 @@ class OmniServingVideos(OmniServing):
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"size: width and height must be "
                                 f"multiples of {multiple} for this model, got {width}x{height}",
                                 "size")
+        if width is None or height is None:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "size is needed: this model has no "
+                                "default size", "size")
         limit = info.get("max_image_pixels")
         if limit and width * height > limit:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"size: {width}x{height} is over this "
@@ -88,6 +91,9 @@ class OmniServingVideos(OmniServing):
             if step:
                 frames = step * round((frames - 1) / step) + 1
         frames = frames or defaults.get("num_frames")
+        if frames is None:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "num_frames (or seconds) is needed: "
+                                "this model has no default length", "num_frames")
         if step and step > 1 and frames % step != 1:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"num_frames must be {step}k+1 for this "
                                 f"model (1, {step + 1}, {2 * step + 1}, ...), got {frames}",

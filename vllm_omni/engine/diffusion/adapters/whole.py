@@ -34,7 +34,13 @@ class WholeRequestAdapter:
         # Video pipelines (Wan) count videos, not images, and return frames.
         self.makes_video = "num_videos_per_prompt" in self.accepted
         self.per_prompt = "num_videos_per_prompt" if self.makes_video else "num_images_per_prompt"
+        # Frames the VAE compresses into one latent frame: a video's length must be a
+        # multiple of it plus one (Wan: 4k+1), which the pipeline would otherwise round.
+        self.frame_step = getattr(pipe, "vae_scale_factor_temporal", None)
         if self.makes_video:
+            call = inspect.signature(type(pipe).__call__).parameters
+            self.defaults.update({n: call[n].default for n in ("height", "width", "num_frames")
+                                  if n in call and isinstance(call[n].default, int)})
             self.defaults["fps"] = VIDEO_FPS
         # PixArt and Sana snap the size to a table of trained resolutions, then resize the
         # image; the engine makes the size asked for.
@@ -56,7 +62,12 @@ class WholeRequestAdapter:
             raise ValueError("latent output needs a step-level adapter; this model has none")
         if params.cache is not None:
             self.check_cache(params.cache)
-        return params.merged(self.defaults)
+        p = params.merged(self.defaults)
+        step = self.frame_step if self.makes_video else None
+        if step and p.num_frames is not None and p.num_frames % step != 1:
+            raise ValueError(f"num_frames must be {step}k+1 for this model (1, {step + 1}, "
+                             f"{2 * step + 1}, ...), got {p.num_frames}")
+        return p
 
     def default_area(self) -> int | None:
         """Pixels of one image at the pipeline's default size, where its signature or its
