@@ -137,7 +137,9 @@ class VideoJobs:
 
     def list(self, after: str | None, limit: int, order: str) -> tuple[list[VideoJob], bool]:
         self._expire()
-        jobs = sorted(self._jobs.values(), key=lambda j: j.created_at, reverse=order == "desc")
+        jobs = list(self._jobs.values())  # oldest first: the order they were added in
+        if order == "desc":
+            jobs.reverse()
         if after is not None:
             ids = [j.id for j in jobs]
             if after not in ids:
@@ -210,6 +212,9 @@ class VideoJobs:
                 continue
             if job.finished:
                 found.append(job)
-        for job in sorted(found, key=lambda j: j.created_at)[-self.max_jobs:]:
+        found.sort(key=lambda j: j.created_at)
+        for job in found[-self.max_jobs:]:
             self._jobs[job.id] = job
+        for job in found[:-self.max_jobs]:  # beyond the bound: as if evicted
+            self._forget(job.id)
         self._expire()
