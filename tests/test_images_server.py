@@ -171,6 +171,12 @@ def test_chat_returns_images_and_text_routes_refuse(flux_server):
     assert_same_image(decode(url.partition(",")[2]), want)
     with pytest.raises(openai.BadRequestError, match="does not output text"):
         client.completions.create(model=model, prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="does not make videos"):
+        client.videos.create(model=model, prompt="a cat")
+    with pytest.raises(openai.BadRequestError, match="makes images, not videos"):
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "a cat"}],
+            extra_body={"stage_sampling_params": {"dit": {**STEPS, "num_frames": 5}}})
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "a green tree"}], stream=True,
         extra_body={"stage_sampling_params": {"dit": {**STEPS, "seed": 2, "height": 64,

@@ -138,6 +138,7 @@ def test_every_route_but_health_needs_the_key(limited):
     assert {"prompt", "size", "num_inference_steps", "seed", "cache"} <= fields(
         "/v1/images/generations")
     assert {"input", "voice", "stage_sampling_params"} <= fields("/v1/audio/speech")
+    assert {"prompt", "seconds", "size", "num_frames", "fps", "seed"} <= fields("/v1/videos")
     assert {"image", "prompt"} <= fields("/v1/images/edits", "multipart/form-data")
     refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(spec)))
     assert refs <= set(spec["components"]["schemas"])

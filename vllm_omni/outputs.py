@@ -21,6 +21,18 @@ class AudioOutput:
 
 
 @dataclass
+class VideoOutput:
+    """A video: its frames (PIL, in order) and the rate they are played at."""
+
+    frames: list[Image]
+    fps: int
+
+    @property
+    def seconds(self) -> float:
+        return len(self.frames) / self.fps
+
+
+@dataclass
 class OmniRequestOutput:
     """One output of one stage for one request, the same shape for every modality.
 
@@ -32,6 +44,8 @@ class OmniRequestOutput:
     - ``image``: ``images`` holds PIL images (one per requested image) and
       ``tensors["images"]`` the float images they were rounded from (N, H, W, 3 in [0, 1]);
       ``metrics`` has ``step`` / ``num_steps`` (progress while not finished) and ``seed``.
+    - ``video``: ``video`` holds the frames (PIL) and fps, ``tensors["video"]`` the float
+      frames they were rounded from (F, H, W, 3 in [0, 1]); ``metrics`` as for images.
     - ``audio``: ``audio`` holds the waveform so far (a streamed request gets one output per
       chunk; ``metrics["new_samples"]`` is what the chunk added); ``metrics["input_complete"]``
       says whether all codes had arrived when it was made.
@@ -52,6 +66,7 @@ class OmniRequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     images: list[Image] = field(default_factory=list)
     audio: AudioOutput | None = None
+    video: VideoOutput | None = None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     num_cached_tokens: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)

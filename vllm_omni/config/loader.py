@@ -75,12 +75,19 @@ def model_architectures(model: str | Path) -> list[str]:
 
 def resolve_pipeline(model: str | Path, stage_configs_path: str | Path | None = None):
     """The pipeline to serve `model` with: the given file, else the built-in one for the
-    model's HF architecture, the diffusion pipeline for a diffusers folder, else the
-    one-stage LLM pipeline."""
+    model's HF architecture (or diffusers pipeline class), the diffusion pipeline for other
+    diffusers folders, else the one-stage LLM pipeline."""
     if stage_configs_path is not None:
         return load_pipeline(stage_configs_path)
     pipelines = builtin_pipelines()
-    if (Path(model) / "model_index.json").is_file():
+    index = Path(model) / "model_index.json"
+    if index.is_file():
+        # A diffusers folder: the built-in pipeline that lists its pipeline class, else the
+        # one-stage image pipeline.
+        pipeline_class = json.loads(index.read_text()).get("_class_name")
+        for pipeline in pipelines.values():
+            if pipeline_class in pipeline.architectures:
+                return pipeline
         return pipelines[DIFFUSERS_PIPELINE]
     archs = set(model_architectures(model))
     for pipeline in pipelines.values():

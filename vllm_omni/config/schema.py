@@ -20,7 +20,7 @@ from pydantic import (
 
 from vllm_omni.config.kinds import kind_names, stage_kind
 
-OutputType = Literal["text", "tokens", "hidden_states", "image", "audio", "latent"]
+OutputType = Literal["text", "tokens", "hidden_states", "image", "video", "audio", "latent"]
 
 # The `modalities` a request can ask for, by stage output type.
 MODALITY_OF_OUTPUT: dict[str, str] = {
@@ -28,6 +28,7 @@ MODALITY_OF_OUTPUT: dict[str, str] = {
     "tokens": "text",
     "hidden_states": "hidden_states",
     "image": "image",
+    "video": "video",
     "audio": "audio",
     "latent": "latent",
 }

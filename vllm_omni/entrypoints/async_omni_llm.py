@@ -106,6 +106,10 @@ class AsyncOmniLLM:
         return self._final_stage("image")
 
     @property
+    def video_stage(self) -> Stage | None:
+        return self._final_stage("video")
+
+    @property
     def audio_stage(self) -> Stage | None:
         return self._final_stage("audio")
 

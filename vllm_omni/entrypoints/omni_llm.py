@@ -102,16 +102,23 @@ class OmniLLM:
         modalities: Sequence[str] | None,
     ) -> list[OmniRequestOutput]:
         bar = tqdm(total=len(prompts), desc="Requests", disable=not use_tqdm, dynamic_ncols=True)
-        steps_done = 0
+        # Diffusion stages report denoising steps: a second bar over every request's steps,
+        # its total growing as each request's step count becomes known.
+        steps: tqdm | None = None
 
         async def one(prompt: PromptType, request_id: str) -> list[OmniRequestOutput]:
-            nonlocal steps_done
-            finals, seen = [], 0
+            nonlocal steps
+            finals, seen, counted = [], 0, False
             async for out in self.engine.generate(prompt, params, request_id, modalities):
-                if "step" in out.metrics:  # a diffusion stage's progress: denoising steps
-                    steps_done += out.metrics["step"] - seen
+                if out.metrics.get("num_steps"):
+                    if steps is None:
+                        steps = tqdm(total=0, desc="Denoising steps", unit="step",
+                                     disable=not use_tqdm, dynamic_ncols=True, position=1)
+                    if not counted:
+                        steps.total += out.metrics["num_steps"]
+                        counted = True
+                    steps.update(out.metrics["step"] - seen)
                     seen = out.metrics["step"]
-                    bar.set_postfix_str(f"{steps_done} denoising steps", refresh=False)
                 if out.finished:
                     finals.append(out)
             bar.update(1)
@@ -127,6 +134,8 @@ class OmniLLM:
             raise group_error.exceptions[0] from None  # the first failure, as a caller expects
         finally:
             bar.close()
+            if steps is not None:
+                steps.close()
         return [out for task in tasks for out in task.result()]
 
     def shutdown(self) -> None:

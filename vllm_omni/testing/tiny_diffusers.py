@@ -333,6 +333,31 @@ def build_wan():
                        transformer=transformer, scheduler=_flow_scheduler(dynamic=False))
 
 
+def build_wan_i2v():
+    """Wan 2.1 image-to-video: the text-to-video parts, a CLIP vision encoder for the input
+    image, and a transformer that takes the image's latents (plus a mask) beside the noise."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    parts = build_wan().components
+    z_dim = parts["vae"].config.z_dim
+    parts["transformer"] = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+        # noise, the image's latents, and a mask of 4 frames per latent frame
+        in_channels=2 * z_dim + 4, out_channels=z_dim, text_dim=32, freq_dim=32, ffn_dim=32,
+        num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32, image_dim=16, added_kv_proj_dim=24,
+    )
+    image_encoder = CLIPVisionModel(CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        image_size=32, patch_size=8, projection_dim=16,
+    ))
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32,
+                                                                          "width": 32})
+    return WanImageToVideoPipeline(**parts, image_encoder=image_encoder.eval(),
+                                   image_processor=processor)
+
+
 def build_diffusers(name: str, out_dir: Path, seed: int, dtype: str) -> None:
     torch.manual_seed(seed)
     if name in FLUX_SIZES:
@@ -352,6 +377,8 @@ def build_diffusers(name: str, out_dir: Path, seed: int, dtype: str) -> None:
         pipe = build_sana()
     elif name == "wan-tiny":
         pipe = build_wan()
+    elif name == "wan-i2v-tiny":
+        pipe = build_wan_i2v()
     else:
         raise ValueError(f"unknown tiny diffusers pipeline {name!r}")
     if dtype != "float32":
@@ -360,4 +387,4 @@ def build_diffusers(name: str, out_dir: Path, seed: int, dtype: str) -> None:
 
 
 DIFFUSERS_MODELS = [*FLUX_SIZES, "sd3-tiny", "sd3-img2img-tiny", "qwen-image-tiny",
-                    "pixart-sigma-tiny", "sana-tiny", "wan-tiny"]
+                    "pixart-sigma-tiny", "sana-tiny", "wan-tiny", "wan-i2v-tiny"]

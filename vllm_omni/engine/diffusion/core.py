@@ -91,6 +91,9 @@ class DiffusionOutput(CoreOutput):
     step: int = 0
     num_steps: int = 0
     images: list[np.ndarray] | None = None
+    # A video pipeline's result instead: frames x height x width x 3 in [0, 1], and its rate.
+    video: np.ndarray | None = None
+    fps: int | None = None
     # Step-cache stats of a finished request: method, computed_steps, cached_steps.
     cache: dict[str, Any] | None = None
     # A parallel stage: seconds rank 0 spent in collectives during the request's steps
@@ -168,6 +171,10 @@ class DiffusionCore(CoreBase):
             "family": a.family,
             "step_level": a.step_level,
             "takes_images": a.takes_images,
+            "makes_video": a.makes_video,
+            # What the API checks before it queues a job (None: the engine checks alone).
+            "size_multiple": getattr(a, "size_multiple", None),
+            "frame_step": getattr(a, "frame_step", None),
             "defaults": a.defaults,
             "max_image_pixels": self.max_image_pixels,
         }
@@ -254,5 +261,6 @@ class DiffusionCore(CoreBase):
                 r.request_id, finished=True, seed=r.params.seed, step=r.num_steps,
                 num_steps=r.num_steps, images=r.images, cache=r.cache_stats(),
                 comm_seconds=r.extras.get("comm"),
+                video=r.video, fps=r.params.fps if r.video is not None else None,
                 handle=self.connector.put({"latents": r.latents}) if latent_only else None,
             ))

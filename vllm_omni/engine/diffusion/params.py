@@ -27,6 +27,10 @@ class DiffusionParams(BaseModel):
     true_cfg_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     num_images: int = Field(default=1, ge=1, le=16)
+    # Video pipelines (Wan): frames to make (the model says which counts it takes) and the
+    # frame rate the video is played at (it changes no pixel; it is the video's metadata).
+    num_frames: int | None = Field(default=None, ge=1, le=1025)
+    fps: int | None = Field(default=None, ge=1, le=120)
     # How far an input image is noised before denoising (image-to-image pipelines).
     strength: float | None = Field(default=None, gt=0.0, le=1.0)
     output: Literal["image", "latent"] = "image"

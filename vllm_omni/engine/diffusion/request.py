@@ -38,6 +38,8 @@ class DiffusionRequest:
     timesteps: torch.Tensor | None = None
     step: int = 0
     images: list[np.ndarray] | None = None
+    # A video pipeline's result: frames x height x width x 3, float in [0, 1].
+    video: np.ndarray | None = None
     # Step-cache state, one slot per image and guidance branch (cond rows first).
     cache_slots: list[Any] = field(default_factory=list)
 

@@ -21,7 +21,7 @@ from vllm_omni.engine.diffusion.client import AsyncDiffusionEngine
 from vllm_omni.engine.diffusion.core import EngineOptions
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.stage import EngineStage
-from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.outputs import OmniRequestOutput, VideoOutput
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def to_pil(image: np.ndarray):
 class DiffusionStage(EngineStage):
     """A stage run by our diffusion engine: a diffusers pipeline, batched step by step."""
 
-    outputs: ClassVar[frozenset[str]] = frozenset({"image", "latent"})
+    outputs: ClassVar[frozenset[str]] = frozenset({"image", "video", "latent"})
 
     # -- the kind ------------------------------------------------------------------------
 
@@ -207,9 +207,15 @@ class DiffusionStage(EngineStage):
                          "cache": out.cache},
             )
             if out.finished:
-                result.images = [to_pil(i) for i in out.images or []]
-                if out.images is not None:  # the exact float images, beside the 8-bit PIL ones
-                    result.tensors = {"images": torch.from_numpy(np.stack(out.images))}
+                images = out.images
+                if out.video is not None and self.config.output == "video":
+                    result.video = VideoOutput([to_pil(f) for f in out.video], out.fps)
+                    result.tensors = {"video": torch.from_numpy(out.video)}
+                elif out.video is not None:  # a stage that outputs images: one per frame
+                    images = list(out.video)
+                result.images = [to_pil(i) for i in images or []]
+                if images:  # the exact float images, beside the 8-bit PIL ones
+                    result.tensors = {"images": torch.from_numpy(np.stack(images))}
                 if out.handle is not None:  # resolved only where a caller receives them
                     result.tensor_handles = {"latents": out.handle}
                 IMAGES.labels(self.name).inc(params.num_images)

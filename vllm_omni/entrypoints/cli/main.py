@@ -99,6 +99,31 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         help='JSON of cache settings, e.g. \'{"threshold": 0.1, "warmup_steps": 2}\' '
         "(see docs/design/diffusion-cache.md).",
     )
+    # Videos API (/v1/videos)
+    parser.add_argument(
+        "--video-dir",
+        default=None,
+        help="Folder for finished video jobs (MP4, first frame, status); they survive a "
+        "restart. Default: kept in memory only.",
+    )
+    parser.add_argument(
+        "--max-video-jobs",
+        type=int,
+        default=64,
+        help="Video jobs kept; a new one evicts the oldest finished one (429 when all run).",
+    )
+    parser.add_argument(
+        "--video-job-ttl",
+        type=float,
+        default=3600.0,
+        help="Seconds a finished video job (and its MP4) is kept after it was created.",
+    )
+    parser.add_argument(
+        "--max-video-seconds",
+        type=float,
+        default=20.0,
+        help="Longest video a request may ask for (num_frames / fps); longer is a 400.",
+    )
     return parser
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     OmniCompletionRequest,
     OmniHTTPError,
     SpeechRequest,
+    VideoCreateRequest,
     error_response,
     parse_model,
 )
@@ -48,6 +50,8 @@ from vllm_omni.entrypoints.openai.serving_chat import OmniServingChat
 from vllm_omni.entrypoints.openai.serving_completion import OmniServingCompletion
 from vllm_omni.entrypoints.openai.serving_images import OmniServingImages
 from vllm_omni.entrypoints.openai.serving_speech import OmniServingSpeech
+from vllm_omni.entrypoints.openai.serving_videos import OmniServingVideos
+from vllm_omni.entrypoints.openai.video_jobs import VideoJobs
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +100,28 @@ async def _parse_form(request: Request) -> dict[str, list[Any]]:
     return fields
 
 
+def _nested(fields: dict[str, Any]) -> dict[str, Any]:
+    """Form fields with objects in brackets, as the openai client sends `extra_body`'s
+    dicts in a multipart form ('cache[method]'), back into objects."""
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        name, sep, rest = key.partition("[")
+        if not (sep and rest.endswith("]") and name):
+            out[key] = value
+            continue
+        target = out.setdefault(name, {})
+        if not isinstance(target, dict):
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"{name}: given as a value and an object",
+                                name)
+        parts = rest[:-1].split("][")
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"{key}: conflicting fields", name)
+        target[parts[-1]] = value
+    return out
+
+
 async def _until_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -124,6 +150,7 @@ JSON_BODIES = {
     "/v1/completions": OmniCompletionRequest,
     "/v1/images/generations": ImageGenerationRequest,
     "/v1/audio/speech": SpeechRequest,
+    "/v1/videos": VideoCreateRequest,
 }
 EDIT_FORM = {"type": "object", "required": ["image", "prompt"], "properties": {
     "image": {"type": "string", "format": "binary"}, "prompt": {"type": "string"},
@@ -170,6 +197,9 @@ def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace
                                    response_role=args.response_role)
     completion_serving = OmniServingCompletion(omni, served_model_names, renderer)
     speech_serving = OmniServingSpeech(omni, served_model_names, renderer)
+    video_jobs = VideoJobs(args.max_video_jobs, args.video_job_ttl, args.video_dir)
+    videos_serving = OmniServingVideos(omni, served_model_names, video_jobs,
+                                       args.max_video_seconds)
     info = pipeline_info(omni, served_model_names)
     app = FastAPI(title="vllm-omni", docs_url=None if args.disable_fastapi_docs else "/docs")
     if args.allowed_origins:
@@ -191,15 +221,20 @@ def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace
     timeout = args.request_timeout
 
     async def serve(
-        request: Request, endpoint: str, body_type: type[BaseModel] | None, id_prefix: str, method
+        request: Request, endpoint: str, body_type: type[BaseModel] | None, id_prefix: str,
+        method, forms: bool = False,
     ) -> Response:
-        """Parse the body (JSON as `body_type`, or a multipart form when it is None), run
-        `method(body, request_id)`, and answer with its result: JSON, an SSE stream, or an
-        OpenAI-style error."""
+        """Parse the body (JSON as `body_type`, or a multipart form when it is None; with
+        `forms`, either, as `body_type`), run `method(body, request_id)`, and answer with its
+        result: JSON, an SSE stream, or an OpenAI-style error."""
 
         async def handler():
             if body_type is None:
                 body = await _parse_form(request)
+            elif forms and request.headers.get("content-type", "").startswith(
+                    ("multipart/form-data", "application/x-www-form-urlencoded")):
+                fields = await _parse_form(request)
+                body = parse_model(body_type, _nested({k: v[-1] for k, v in fields.items()}))
             else:
                 body = await _parse_json(request, body_type)
             rid = request.headers.get("X-Request-Id") or new_request_id(id_prefix)
@@ -256,6 +291,45 @@ def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace
     async def speech(request: Request) -> Response:
         return await serve(request, "speech", SpeechRequest, "speech",
                            speech_serving.speech)
+
+    @app.post("/v1/videos")
+    async def create_video(request: Request) -> Response:
+        return await serve(request, "videos", VideoCreateRequest, "video",
+                           videos_serving.create, forms=True)
+
+    async def answer(endpoint: str, work) -> Response:
+        """A video route's answer (JSON, or a file's bytes) or its OpenAI-style error."""
+        try:
+            result = work()
+            if inspect.isawaitable(result):
+                result = await result
+        except OmniHTTPError as e:
+            REQUESTS.labels(endpoint, str(int(e.status))).inc()
+            return error_response(e.status, e.message, e.param)
+        REQUESTS.labels(endpoint, "200").inc()
+        if isinstance(result, tuple):
+            data, media_type = result
+            return Response(data, media_type=media_type)
+        return JSONResponse(result)
+
+    @app.get("/v1/videos")
+    async def list_videos(request: Request) -> Response:
+        q = request.query_params
+        return await answer("videos_list", lambda: videos_serving.list(
+            q.get("after"), q.get("limit"), q.get("order")))
+
+    @app.get("/v1/videos/{video_id}")
+    async def retrieve_video(video_id: str) -> Response:
+        return await answer("videos_retrieve", lambda: videos_serving.retrieve(video_id))
+
+    @app.delete("/v1/videos/{video_id}")
+    async def delete_video(video_id: str) -> Response:
+        return await answer("videos_delete", lambda: videos_serving.delete(video_id))
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def video_content(video_id: str, request: Request) -> Response:
+        variant = request.query_params.get("variant")
+        return await answer("videos_content", lambda: videos_serving.content(video_id, variant))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -34,6 +34,7 @@ def input_modalities(omni: AsyncOmniLLM) -> list[str]:
 def pipeline_info(omni: AsyncOmniLLM, served_model_names: list[str]) -> dict[str, Any]:
     finals = [s for s in omni.order if s.final_output]
     image, audio, text = omni.image_stage, omni.audio_stage, omni.text_stage
+    video = omni.video_stage
     return {
         "model": served_model_names[0],
         "pipeline": omni.pipeline.name,
@@ -48,6 +49,11 @@ def pipeline_info(omni: AsyncOmniLLM, served_model_names: list[str]) -> dict[str
             "family": image.engine.info.get("family"),
             "step_level": image.engine.info.get("step_level"),
             "defaults": image.engine.info.get("defaults"),
+        },
+        "video": video and {
+            "stage": video.name, "family": video.engine.info.get("family"),
+            "from_image": bool(video.engine.info.get("takes_images")),
+            "defaults": video.engine.info.get("defaults"),
         },
         "audio": audio and {"stage": audio.name, "voices": audio.speakers,
                             "sample_rate": audio.sample_rate},

@@ -116,6 +116,50 @@ class ImageGenerationRequest(BaseModel):
         return params
 
 
+def parse_size(value: str) -> tuple[int, int]:
+    """'WIDTHxHEIGHT' as (width, height); a ValueError naming the form otherwise."""
+    w, sep, h = value.partition("x")
+    if not (sep and w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
+        raise ValueError(f"must be 'WIDTHxHEIGHT' (e.g. '832x480'), got {value!r}")
+    return int(w), int(h)
+
+
+class VideoCreateRequest(BaseModel):
+    """OpenAI's video creation fields (a multipart form from the openai client, or JSON),
+    plus the diffusion controls as extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    # OpenAI sends seconds as a string ("4"); any positive number of seconds is taken.
+    seconds: float | None = Field(default=None, gt=0)
+    size: str | None = Field(default=None, description="'WIDTHxHEIGHT'")
+    # An image for image-to-video models: an uploaded file, or {"image_url": data URL}.
+    input_reference: Any = None
+    # Extensions (pass them in the openai client's `extra_body`).
+    num_frames: int | None = Field(default=None, ge=1)
+    fps: int | None = Field(default=None, ge=1, le=120)
+    num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    negative_prompt: str | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    # Step caching for this request (CacheConfig's fields; over the server's --cache-config).
+    cache: dict[str, Any] | None = None
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache(cls, value: Any) -> Any:
+        return json.loads(value) if isinstance(value, str) else value  # a form's JSON text
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_size(value)
+        return value
+
+
 class SpeechRequest(BaseModel):
     """OpenAI's speech request, plus `stage_sampling_params` (per-stage overrides)."""
 

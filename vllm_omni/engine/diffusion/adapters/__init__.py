@@ -10,6 +10,7 @@ from vllm_omni.engine.diffusion.adapters.base import StepAdapter
 from vllm_omni.engine.diffusion.adapters.flux import FluxAdapter
 from vllm_omni.engine.diffusion.adapters.qwen_image import QwenImageAdapter
 from vllm_omni.engine.diffusion.adapters.sd3 import SD3Adapter
+from vllm_omni.engine.diffusion.adapters.wan import WanAdapter
 from vllm_omni.engine.diffusion.adapters.whole import WholeRequestAdapter
 
 # Exact pipeline classes only: a subclass (img2img, inpaint, ...) has another __call__.
@@ -17,13 +18,16 @@ STEP_ADAPTERS: dict[str, type[StepAdapter]] = {
     "FluxPipeline": FluxAdapter,
     "StableDiffusion3Pipeline": SD3Adapter,
     "QwenImagePipeline": QwenImageAdapter,
+    "WanPipeline": WanAdapter,
 }
 
 
 def adapter_for(pipe: Any, device: str | torch.device) -> StepAdapter | WholeRequestAdapter:
     """The adapter for `pipe`, whose models run on `device` (also when offloaded between uses)."""
     cls = STEP_ADAPTERS.get(type(pipe).__name__)
-    return cls(pipe, device) if cls else WholeRequestAdapter(pipe)
+    if cls is None or not cls.supports(pipe):
+        return WholeRequestAdapter(pipe)
+    return cls(pipe, device)
 
 
 __all__ = ["STEP_ADAPTERS", "StepAdapter", "WholeRequestAdapter", "adapter_for"]

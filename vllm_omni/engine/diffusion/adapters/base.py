@@ -44,6 +44,11 @@ class StepAdapter:
     # How the transformer's arguments split between ranks (engine/diffusion/parallel/).
     transformer_spec = TransformerSpec(batched=(), sequence={}, output_sequence_dim=None)
 
+    @staticmethod
+    def supports(pipe: Any) -> bool:
+        """False for a variant of the family's pipeline class that this adapter cannot step."""
+        return True
+
     def __init__(self, pipe: Any, device: str | torch.device) -> None:
         self.pipe = pipe
         # Where the models run, from the engine: diffusers says it only through a private
@@ -52,15 +57,11 @@ class StepAdapter:
         self.device = torch.device(device)
         self.dtype = pipe.transformer.dtype
         call = inspect.signature(type(pipe).__call__).parameters
-        # The size the model was trained at, where its VAE records it (real Flux / SD3 VAEs
-        # say 1024, the pipelines' default too); else the pipeline's default.
-        size = getattr(pipe.vae.config, "sample_size", None)
-        if not isinstance(size, int):
-            size = pipe.default_sample_size * pipe.vae_scale_factor
+        height, width = self.default_size(call)
         # The pipeline's own defaults, read from its signature, so they cannot drift.
         self.defaults: dict[str, Any] = {
-            "height": size,
-            "width": size,
+            "height": height,
+            "width": width,
             "num_inference_steps": call["num_inference_steps"].default,
             "guidance_scale": call["guidance_scale"].default,
             "true_cfg_scale": call["true_cfg_scale"].default if "true_cfg_scale" in call else 1.0,
@@ -75,6 +76,16 @@ class StepAdapter:
     # -- per family --------------------------------------------------------------------
 
     size_multiple: int = 16
+    makes_video = False
+
+    def default_size(self, call: dict[str, inspect.Parameter]) -> tuple[int, int]:
+        """(height, width) when a request gives none: the size the model was trained at,
+        where its VAE records it (real Flux / SD3 VAEs say 1024, the pipelines' default too);
+        else the pipeline's default."""
+        size = getattr(self.pipe.vae.config, "sample_size", None)
+        if not isinstance(size, int):
+            size = self.pipe.default_sample_size * self.pipe.vae_scale_factor
+        return size, size
 
     def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
         """Conditioning for each text, each tensor with a batch dim of 1."""
@@ -132,6 +143,11 @@ class StepAdapter:
         given = params.true_cfg_scale
         if given is not None and given > 1 and not params.negative_prompt:
             raise ValueError("true_cfg_scale > 1 needs a negative_prompt")
+        if not self.makes_video:
+            video_only = sorted(f for f in ("num_frames", "fps") if getattr(params, f) is not None)
+            if video_only:
+                raise ValueError(f"{type(self.pipe).__name__} makes images, not videos: "
+                                 f"{video_only} do not apply")
         p = params.merged({k: v for k, v in self.defaults.items() if v is not None})
         if p.cache is not None:
             self.check_cache(p.cache)
@@ -164,7 +180,7 @@ class StepAdapter:
 
     def encode(self, reqs: list[DiffusionRequest]) -> None:
         texts = sorted({t for r in reqs for t in (r.prompt, r.params.negative_prompt) if t})
-        if self.needs_empty_negative():
+        if self.needs_empty_negative(reqs):
             texts = sorted(set(texts) | {""})
         encoded = dict(zip(texts, self.encode_texts(texts), strict=True))
         for r in reqs:
@@ -172,7 +188,7 @@ class StepAdapter:
             if self.uses_cfg(r.params):
                 r.uncond = encoded[r.params.negative_prompt or ""]
 
-    def needs_empty_negative(self) -> bool:
+    def needs_empty_negative(self, reqs: list[DiffusionRequest]) -> bool:
         return False
 
     def prepare(self, req: DiffusionRequest) -> None:

@@ -32,7 +32,7 @@ class SD3Adapter(StepAdapter):
     def uses_cfg(self, p: DiffusionParams) -> bool:
         return p.guidance_scale > 1
 
-    def needs_empty_negative(self) -> bool:
+    def needs_empty_negative(self, reqs) -> bool:
         return True  # SD3's unconditional branch encodes "" when no negative prompt is given
 
     def combine(self, pos, neg, reqs, rows):

@@ -15,8 +15,10 @@ from vllm_omni.engine.diffusion.request import DiffusionRequest
 # DiffusionParams fields passed to the pipeline under the same name, when it takes them.
 _CALL_FIELDS = (
     "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
-    "true_cfg_scale", "strength",
+    "true_cfg_scale", "strength", "num_frames",
 )
+# Frames per second of a video whose model does not say (Wan 2.1's rate).
+VIDEO_FPS = 16
 
 
 class WholeRequestAdapter:
@@ -31,8 +33,16 @@ class WholeRequestAdapter:
         self.accepted = set(inspect.signature(type(pipe).__call__).parameters)
         self.defaults: dict[str, Any] = {}
         # Video pipelines (Wan) count videos, not images, and return frames.
-        self.per_prompt = ("num_videos_per_prompt" if "num_videos_per_prompt" in self.accepted
-                           else "num_images_per_prompt")
+        self.makes_video = "num_videos_per_prompt" in self.accepted
+        self.per_prompt = "num_videos_per_prompt" if self.makes_video else "num_images_per_prompt"
+        # Frames the VAE compresses into one latent frame: a video's length must be a
+        # multiple of it plus one (Wan: 4k+1), which the pipeline would otherwise round.
+        self.frame_step = getattr(pipe, "vae_scale_factor_temporal", None)
+        if self.makes_video:
+            call = inspect.signature(type(pipe).__call__).parameters
+            self.defaults.update({n: call[n].default for n in ("height", "width", "num_frames")
+                                  if n in call and isinstance(call[n].default, int)})
+            self.defaults["fps"] = VIDEO_FPS
         # PixArt and Sana snap the size to a table of trained resolutions, then resize the
         # image; the engine makes the size asked for.
         self.fixed = ({"use_resolution_binning": False}
@@ -44,11 +54,21 @@ class WholeRequestAdapter:
         )
         if refused:
             raise ValueError(f"{type(self.pipe).__name__} does not take {refused}")
+        if params.fps is not None and not self.makes_video:
+            raise ValueError(f"{type(self.pipe).__name__} makes images, not videos: fps does "
+                             "not apply")
+        if self.makes_video and params.num_images != 1:
+            raise ValueError("a video request makes one video; send several requests for more")
         if params.output == "latent":
             raise ValueError("latent output needs a step-level adapter; this model has none")
         if params.cache is not None:
             self.check_cache(params.cache)
-        return params
+        p = params.merged(self.defaults)
+        step = self.frame_step if self.makes_video else None
+        if step and p.num_frames is not None and p.num_frames % step != 1:
+            raise ValueError(f"num_frames must be {step}k+1 for this model (1, {step + 1}, "
+                             f"{2 * step + 1}, ...), got {p.num_frames}")
+        return p
 
     def default_area(self) -> int | None:
         """Pixels of one image at the pipeline's default size, where its signature or its
@@ -108,13 +128,13 @@ class WholeRequestAdapter:
             if "negative_prompt" in kwargs:
                 kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * len(reqs)
         result = self.pipe(**kwargs, output_type="np")
-        # A video's frames stand in for its images until videos have an output of their own.
-        images = getattr(result, "images", None)
-        images = result.frames if images is None else images
+        videos = getattr(result, "frames", None) if self.makes_video else None
         start = 0
         for r in reqs:
-            made = images[start : start + r.params.num_images]
-            r.images = [frame for item in made for frame in (item if item.ndim == 4 else [item])]
+            if videos is not None:  # one video per request
+                r.video = videos[start]
+            else:
+                r.images = list(result.images[start : start + r.params.num_images])
             start += r.params.num_images
             r.step = 1
 

@@ -27,7 +27,10 @@ from vllm_omni.engine.diffusion.cache.config import CacheConfig
 # Block keyword arguments with one row per image; the rest (rotary tables, kwargs dicts) are
 # shared by the whole batch.
 _BATCHED = ("hidden_states", "encoder_hidden_states", "temb", "encoder_hidden_states_mask")
-_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
+_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
+# Lists whose blocks take the text as a condition and return only the image (video) stream
+# (Wan); the others return (text, image) streams.
+_SINGLE_STREAM = ("blocks",)
 HOOK_NAME = "vllm_omni_step_cache"
 
 
@@ -158,6 +161,7 @@ class DiTCacheManager:
     def __init__(self, transformer: nn.Module, modulated_input: ModulatedInput) -> None:
         self.modulated_input = modulated_input
         self._blocks: list[nn.Module] = []
+        self._single: set[int] = set()  # indices of single-stream blocks
         self._active: _Step | None = None
         # Sums the rows' change statistics over the ranks that hold slices of one sequence,
         # so they all decide alike (None: one process holds the whole sequence).
@@ -172,6 +176,8 @@ class DiTCacheManager:
                 # would both run the cache logic on one call.
                 registry.remove_hook(HOOK_NAME, recurse=False)
                 registry.register_hook(_StepCacheHook(len(self._blocks), self), HOOK_NAME)
+                if name in _SINGLE_STREAM:
+                    self._single.add(len(self._blocks))
                 self._blocks.append(block)
 
     @property
@@ -219,7 +225,10 @@ class DiTCacheManager:
         step = self._active
         if step is None:
             return forward(**kwargs)
-        hidden, encoder = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
+        single = index in self._single
+        # A single-stream block leaves the text as it is: only the image stream is cached.
+        hidden = kwargs["hidden_states"]
+        encoder = None if single else kwargs["encoder_hidden_states"]
         if index == 0:
             step.first_input = hidden
         starting = [r for r, (start, _) in enumerate(step.spans) if start == index]
@@ -230,15 +239,20 @@ class DiTCacheManager:
             if step.reuse[r] and start <= index < end
         ]
         if not skipped:
-            encoder_out, hidden_out = forward(**kwargs)
+            encoder_out, hidden_out = self._streams(forward(**kwargs), single)
         elif len(skipped) == len(step.slots):
             encoder_out, hidden_out = encoder, hidden
         else:
-            encoder_out, hidden_out = self._run_rows(forward, kwargs, skipped)
+            encoder_out, hidden_out = self._run_rows(forward, kwargs, skipped, single)
         ending = [r for r, (_, end) in enumerate(step.spans) if end - 1 == index]
         if ending:
             encoder_out, hidden_out = self._end_span(step, ending, encoder_out, hidden_out)
-        return encoder_out, hidden_out
+        return hidden_out if single else (encoder_out, hidden_out)
+
+    @staticmethod
+    def _streams(out: Any, single: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(text, image) streams of a block's output."""
+        return (None, out) if single else out
 
     def _decide(self, step: _Step, rows: list[int], block, kwargs) -> None:
         hidden, encoder = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
@@ -265,8 +279,7 @@ class DiTCacheManager:
             step.reuse[r] = step.slots[r].decide(signal, change)
             step.span_inputs[r] = (hidden[r], None if encoder is None else encoder[r])
 
-    @staticmethod
-    def _run_rows(forward, kwargs: dict, skipped: list[int]):
+    def _run_rows(self, forward, kwargs: dict, skipped: list[int], single: bool):
         """Run `forward` on the rows not skipped; skipped rows pass through unchanged."""
         hidden, encoder = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
         keep = torch.tensor(
@@ -276,7 +289,7 @@ class DiTCacheManager:
             k: v.index_select(0, keep) if k in _BATCHED and isinstance(v, torch.Tensor) else v
             for k, v in kwargs.items()
         }
-        encoder_part, hidden_part = forward(**sub)
+        encoder_part, hidden_part = self._streams(forward(**sub), single)
         hidden_out = hidden.index_copy(0, keep, hidden_part)
         encoder_out = None if encoder_part is None else encoder.index_copy(0, keep, encoder_part)
         return encoder_out, hidden_out

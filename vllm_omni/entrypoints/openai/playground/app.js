@@ -67,7 +67,9 @@ async function readEvents(reply, onEvent) {
 function buildTabs(names) {
   const nav = $("tabs");
   nav.replaceChildren();
-  const labels = { chat: "Chat", images: "Images", speech: "Speech", pipeline: "Pipeline" };
+  const labels = {
+    chat: "Chat", images: "Images", videos: "Videos", speech: "Speech", pipeline: "Pipeline",
+  };
   for (const name of names) {
     const tab = document.createElement("button");
     tab.type = "button";
@@ -358,6 +360,55 @@ async function generateImage(event) {
   }
 }
 
+// -- videos ----------------------------------------------------------------------------------
+
+// A job: create it, poll its progress (denoising steps), then fetch and show the MP4.
+async function makeVideo(event) {
+  event.preventDefault();
+  const prompt = $("video-prompt").value.trim();
+  const fields = {
+    prompt, size: `${numberOf("video-width")}x${numberOf("video-height")}`,
+    num_frames: numberOf("video-frames"), num_inference_steps: numberOf("video-steps"),
+    seed: numberOf("video-seed"),
+  };
+  const bar = $("video-progress");
+  $("video-go").disabled = true;
+  bar.value = 0;
+  bar.hidden = false;
+  const start = performance.now();
+  try {
+    let job = await (await api("/v1/videos", {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(fields),
+    })).json();
+    while (job.status === "queued" || job.status === "in_progress") {
+      await new Promise((done) => setTimeout(done, 300));
+      job = await (await api(`/v1/videos/${job.id}`)).json();
+      bar.value = job.progress;
+    }
+    if (job.status !== "completed") throw new ServerError(job.error?.message || job.status);
+    const blob = await (await api(`/v1/videos/${job.id}/content`)).blob();
+    const figure = document.createElement("figure");
+    const video = document.createElement("video");
+    video.src = URL.createObjectURL(blob);
+    video.controls = true;
+    video.loop = true;
+    video.setAttribute("aria-label", prompt);
+    const caption = document.createElement("figcaption");
+    const seconds = ((performance.now() - start) / 1000).toFixed(2);
+    caption.textContent = `${prompt} · ${job.size} · ${job.num_frames} frames at ${job.fps} fps` +
+      ` · seed ${job.seed} · ${seconds} s`;
+    figure.append(video, caption);
+    $("videos").prepend(figure);
+    showError(null);
+  } catch (error) {
+    showError(error);
+  } finally {
+    $("video-go").disabled = false;
+    bar.hidden = true;
+  }
+}
+
 // -- speech ----------------------------------------------------------------------------------
 
 async function speak(event) {
@@ -407,6 +458,14 @@ function setUp(info) {
     if (d.guidance_scale != null) $("image-guidance").value = d.guidance_scale;
     $("image-edit-row").hidden = !info.image.edits;
   }
+  if (info.video) {
+    tabs.push("videos");
+    const d = info.video.defaults || {};
+    $("video-width").value = d.width ?? 832;
+    $("video-height").value = d.height ?? 480;
+    $("video-frames").value = d.num_frames ?? 33;
+    $("video-steps").value = d.num_inference_steps ?? 30;
+  }
   if (info.audio && info.outputs.includes("text")) {
     tabs.push("speech");
     $("chat-speak-row").hidden = false;
@@ -441,4 +500,5 @@ $("chat-input").addEventListener("keydown", (event) => {
 });
 $("image-form").addEventListener("submit", generateImage);
 $("speech-form").addEventListener("submit", speak);
+$("video-form").addEventListener("submit", makeVideo);
 connect();
