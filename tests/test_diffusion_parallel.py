@@ -160,3 +160,21 @@ def test_bad_degrees_are_refused_before_anything_starts(flux, tmp_path_factory):
                        "StableDiffusion3Pipeline has no sequence-parallel support"):
         plan(sd3, {"ring_degree": 2})
     assert plan(sd3, {"cfg_parallel_size": 2}).stages  # SD3: CFG parallel is fine
+
+
+def test_degrees_compose_into_one_grid_of_ranks():
+    """cfg x ring x ulysses ranks: each rank in one Ulysses group (a row) and one ring
+    group (a column) inside its guidance group; every rank exactly once."""
+    from vllm_omni.engine.diffusion.parallel.layout import Layout
+
+    lay = Layout(ulysses=2, ring=3, cfg=2)
+    assert lay.world == 12 and lay.sequence == 6
+    assert [lay.coords(r) for r in (0, 1, 2, 7, 11)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 2, 1)]
+    assert lay.ulysses_ranks(1, 2) == [10, 11] and lay.ring_ranks(1, 1) == [7, 9, 11]
+    rows = [r for c in range(2) for i in range(3) for r in lay.ulysses_ranks(c, i)]
+    assert sorted(rows) == list(range(12))
+    with pytest.raises(ValueError, match="cfg_parallel_size is 1 or 2"):
+        EngineOptions(cfg_parallel_size=3)
+    with pytest.raises(ValueError, match="ulysses_degree must be a positive integer"):
+        EngineOptions(ulysses_degree=0)
