@@ -159,6 +159,21 @@ EDIT_FORM = {"type": "object", "required": ["image", "prompt"], "properties": {
     "strength": {"type": "number"}, "negative_prompt": {"type": "string"}}}
 
 
+def _param(name: str, where: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": where, "required": where == "path", "schema": schema}
+
+
+VIDEO_ID_PARAMS = {"parameters": [
+    _param("video_id", "path", {"type": "string", "pattern": "^video_[0-9a-f]{32}$"})]}
+VIDEO_CONTENT_PARAMS = {"parameters": [
+    *VIDEO_ID_PARAMS["parameters"],
+    _param("variant", "query", {"type": "string", "enum": ["video", "thumbnail"]})]}
+VIDEO_LIST_PARAMS = {"parameters": [
+    _param("after", "query", {"type": "string"}),
+    _param("limit", "query", {"type": "integer", "minimum": 1, "maximum": 100}),
+    _param("order", "query", {"type": "string", "enum": ["asc", "desc"]})]}
+
+
 def describe_bodies(app: FastAPI) -> None:
     """Put each route's real request body in /openapi.json: the handlers read the body
     themselves (to answer OpenAI-shaped errors), so FastAPI cannot see their models."""
@@ -312,23 +327,27 @@ def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace
             return Response(data, media_type=media_type)
         return JSONResponse(result)
 
-    @app.get("/v1/videos")
+    # Parameters are read by the handlers (to answer OpenAI-shaped errors) and described to
+    # /openapi.json here.
+    @app.get("/v1/videos", openapi_extra=VIDEO_LIST_PARAMS)
     async def list_videos(request: Request) -> Response:
         q = request.query_params
         return await answer("videos_list", lambda: videos_serving.list(
             q.get("after"), q.get("limit"), q.get("order")))
 
-    @app.get("/v1/videos/{video_id}")
-    async def retrieve_video(video_id: str) -> Response:
+    @app.get("/v1/videos/{video_id}", openapi_extra=VIDEO_ID_PARAMS)
+    async def retrieve_video(request: Request) -> Response:
+        video_id = request.path_params["video_id"]
         return await answer("videos_retrieve", lambda: videos_serving.retrieve(video_id))
 
-    @app.delete("/v1/videos/{video_id}")
-    async def delete_video(video_id: str) -> Response:
+    @app.delete("/v1/videos/{video_id}", openapi_extra=VIDEO_ID_PARAMS)
+    async def delete_video(request: Request) -> Response:
+        video_id = request.path_params["video_id"]
         return await answer("videos_delete", lambda: videos_serving.delete(video_id))
 
-    @app.get("/v1/videos/{video_id}/content")
-    async def video_content(video_id: str, request: Request) -> Response:
-        variant = request.query_params.get("variant")
+    @app.get("/v1/videos/{video_id}/content", openapi_extra=VIDEO_CONTENT_PARAMS)
+    async def video_content(request: Request) -> Response:
+        video_id, variant = request.path_params["video_id"], request.query_params.get("variant")
         return await answer("videos_content", lambda: videos_serving.content(video_id, variant))
 
     @app.get("/v1/models")
