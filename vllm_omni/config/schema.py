@@ -68,6 +68,12 @@ class StageConfig(BaseModel):
     model: str | None = Field(
         default=None, description="Model folder; default: the model the pipeline was loaded for."
     )
+    subfolder: str | None = Field(
+        default=None,
+        description="The stage's model is this folder inside the pipeline's model (a "
+        "diffusers folder's 'text_encoder'); a relative `engine_args.tokenizer` is read "
+        "from the pipeline's model too.",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Engine args of the stage's kind: vLLM's AsyncEngineArgs for 'ar', "
@@ -179,7 +185,9 @@ class PipelineConfig(BaseModel):
 
     name: str
     architectures: list[str] = Field(
-        default_factory=list, description="HF architectures this built-in pipeline serves."
+        default_factory=list,
+        description="What this built-in pipeline serves: HF architectures (config.json) or "
+        "diffusers pipeline classes (model_index.json's _class_name).",
     )
     stages: list[StageConfig] = Field(min_length=1)
     default_modalities: list[str] | None = Field(
