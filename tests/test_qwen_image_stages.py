@@ -1,0 +1,92 @@
+"""Qwen-Image on two stages: its Qwen2.5-VL text encoder on vLLM (hidden states out) ->
+the DiT on our engine, against diffusers' QwenImagePipeline for the same seeds, for
+concurrent requests with different prompts, lengths and seeds, with and without true CFG
+(whose negative prompt runs through the same encoder)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni.config import resolve_pipeline
+from vllm_omni.config.loader import BUILTIN_DIR
+from vllm_omni.testing.tiny_models import make_tiny
+
+SIZE = {"height": 32, "width": 48, "num_inference_steps": 2}
+# Prompts of different lengths, some with true CFG (two of them share a negative prompt).
+REQUESTS = [
+    ("a cat", {"seed": 1}),
+    ("a big blue house by the sea, at night, under a full moon", {"seed": 2}),
+    ("a red apple", {"seed": 3, "negative_prompt": "blurry", "true_cfg_scale": 3.0}),
+    ("two small dogs playing in the snow", {"seed": 4, "negative_prompt": "dark",
+                                            "true_cfg_scale": 2.0}),
+]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_tiny("qwen-image-tiny", tmp_path_factory.mktemp("qi") / "qwen-image-tiny")
+
+
+def test_the_pipeline_class_picks_two_stages_and_the_yaml_one(folder):
+    pipeline = resolve_pipeline(folder)
+    assert pipeline.name == "qwen_image"
+    assert [(s.name, s.engine, s.output) for s in pipeline.stages] == [
+        ("encoder", "ar", "hidden_states"), ("dit", "diffusion", "image")]
+    one_stage = resolve_pipeline(folder, BUILTIN_DIR / "diffusion.yaml")
+    assert [s.engine for s in one_stage.stages] == ["diffusion"]
+
+
+@pytest.fixture(scope="module")
+def two_stage(folder):
+    from vllm_omni import OmniLLM
+
+    llm = OmniLLM(str(folder), kv_cache_memory_bytes=1 << 28)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_concurrent_requests_equal_diffusers(two_stage, folder):
+    from diffusers import DiffusionPipeline
+
+    engine = two_stage.engine
+
+    async def one(i, prompt, dit):
+        outs = [o async for o in engine.generate(prompt, [None, {**SIZE, **dit}], f"r{i}")
+                if o.finished]
+        return outs
+
+    async def all_at_once():
+        return await asyncio.gather(*(one(i, p, d) for i, (p, d) in enumerate(REQUESTS)))
+
+    results = two_stage._run(all_at_once())
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    for (prompt, dit), outs in zip(REQUESTS, results, strict=True):
+        (out,) = outs
+        assert out.stage == "dit" and out.prompt == prompt
+        assert set(out.metrics["stage_seconds"]) == {"encoder", "dit"}
+        kwargs = {k: v for k, v in dit.items() if k != "seed"}
+        want = pipe(prompt, generator=torch.Generator().manual_seed(dit["seed"]),
+                    output_type="np", **SIZE, **kwargs).images[0]
+        got = out.tensors["images"][0].numpy()
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=prompt)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_dit_stage_refuses_text_it_cannot_encode(two_stage):
+    # The DiT loads no text encoder: only the encoder stage can turn text into states.
+    dit = two_stage.engine.orchestrator.stages["dit"]
+
+    async def direct():
+        return [o async for o in dit.generate("direct", "x", dit.sampling_params(SIZE))]
+
+    with pytest.raises(ValueError, match="without its text encoder"):
+        two_stage._run(direct())
