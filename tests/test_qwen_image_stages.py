@@ -41,6 +41,20 @@ def test_the_pipeline_class_picks_two_stages_and_the_yaml_one(folder):
     assert [s.engine for s in one_stage.stages] == ["diffusion"]
 
 
+def test_the_encoder_stage_reads_the_folders_text_encoder_and_tokenizer(folder):
+    from vllm_omni.config import PipelineConfigError, parse_pipeline
+    from vllm_omni.engine.ar.stage import stage_engine_args
+
+    encoder = resolve_pipeline(folder).stage("encoder")
+    args = stage_engine_args(str(folder), encoder, {})
+    assert (args.model, args.tokenizer) == (str(folder / "text_encoder"),
+                                            str(folder / "tokenizer"))
+    dit = {"name": "dit", "engine": "diffusion", "output": "image", "final_output": True,
+           "subfolder": "transformer"}
+    with pytest.raises(PipelineConfigError, match="subfolder is an option of 'ar' stages"):
+        parse_pipeline({"name": "p", "stages": [dit]}, "p.yaml")
+
+
 @pytest.fixture(scope="module")
 def two_stage(folder):
     from vllm_omni import OmniLLM

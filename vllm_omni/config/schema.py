@@ -70,8 +70,8 @@ class StageConfig(BaseModel):
     )
     subfolder: str | None = Field(
         default=None,
-        description="The stage's model is this folder inside the pipeline's model (a "
-        "diffusers folder's 'text_encoder'); a relative `engine_args.tokenizer` is read "
+        description="AR stages: the stage's model is this folder inside the pipeline's model "
+        "(a diffusers folder's 'text_encoder'); a relative `engine_args.tokenizer` is read "
         "from the pipeline's model too.",
     )
     engine_args: dict[str, Any] = Field(
@@ -166,6 +166,8 @@ class StageConfig(BaseModel):
             raise ValueError("a stage with inputs needs an input_processor")
         if not kind.autoregressive and (self.hidden_states or self.step_inputs):
             raise ValueError("hidden_states and step_inputs are options of 'ar' stages")
+        if not kind.autoregressive and self.subfolder is not None:
+            raise ValueError("subfolder is an option of 'ar' stages")
         if self.stream_inputs:
             if not kind.streamed_input:
                 takers = [k for k in kind_names() if stage_kind(k).streamed_input]
