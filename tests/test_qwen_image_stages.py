@@ -59,7 +59,8 @@ def test_the_encoder_stage_reads_the_folders_text_encoder_and_tokenizer(folder):
 def two_stage(folder):
     from vllm_omni import OmniLLM
 
-    llm = OmniLLM(str(folder), kv_cache_memory_bytes=1 << 28)
+    # fp32 on both stages (vLLM would run an fp32 checkpoint in bf16 on a CPU).
+    llm = OmniLLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 28)
     yield llm
     llm.shutdown()
 
@@ -104,3 +105,37 @@ def test_the_dit_stage_refuses_text_it_cannot_encode(two_stage):
 
     with pytest.raises(ValueError, match="without its text encoder"):
         two_stage._run(direct())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_encoder_states_equal_diffusers_prompt_embeds(two_stage, folder):
+    # The tiny DiT's image moves little with the prompt (the template's rows dominate), so
+    # the conditioning itself is checked: the encoder stage's states, minus the template
+    # prefix the DiT drops, are diffusers' `encode_prompt` embeddings (its mask's rows).
+    from diffusers import DiffusionPipeline
+
+    from vllm_omni.models.qwen_image.stages import encoder_prompts
+    from vllm_omni.transfer.connectors import SharedMemoryConnector
+
+    encoder = two_stage.engine.orchestrator.stages["encoder"]
+    texts = [p for p, _ in REQUESTS] + ["blurry"]
+
+    async def states(i, text):
+        prompt = encoder_prompts({}, {"prompt": text}, encoder, {})
+        outs = [o async for o in encoder.generate(f"enc{i}", prompt,
+                                                  encoder.sampling_params(None))]
+        rows = SharedMemoryConnector().get(outs[-1].tensor_handles["hidden_states"])
+        return rows["hidden_states"][: len(outs[-1].prompt_token_ids)]
+
+    async def all_at_once():
+        return await asyncio.gather(*(states(i, t) for i, t in enumerate(texts)))
+
+    got = two_stage._run(all_at_once())
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    embeds, mask = pipe.encode_prompt(texts, device="cpu")
+    drop = pipe.prompt_template_encode_start_idx
+    for rows, want, m in zip(got, embeds, mask, strict=True):
+        want = want[m.bool()]
+        assert rows.shape[0] - drop == want.shape[0]
+        torch.testing.assert_close(rows[drop:], want, atol=1e-5, rtol=0)
