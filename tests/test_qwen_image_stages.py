@@ -139,3 +139,44 @@ def test_the_encoder_states_equal_diffusers_prompt_embeds(two_stage, folder):
         want = want[m.bool()]
         assert rows.shape[0] - drop == want.shape[0]
         torch.testing.assert_close(rows[drop:], want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_chat_draws_the_last_user_message(two_stage):
+    # The encoder writes no text, so chat is not rendered by its chat template: the last
+    # user message is the prompt, as on a one-stage diffusion pipeline.
+    import base64
+    import io
+
+    from PIL import Image
+
+    from vllm_omni.entrypoints.openai.protocol import OmniChatCompletionRequest
+    from vllm_omni.entrypoints.openai.serving_base import EntryRenderer
+    from vllm_omni.entrypoints.openai.serving_chat import OmniServingChat
+    from vllm_omni.entrypoints.openai.serving_images import OmniServingImages
+
+    omni = two_stage.engine
+    renderer = EntryRenderer(omni)
+    assert renderer.get() is None
+    chat = OmniServingChat(omni, ["m"], renderer, OmniServingImages(omni, ["m"]))
+    request = OmniChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "a cat"}],
+        stage_sampling_params={"dit": {**SIZE, "seed": 1}})
+    body = two_stage._run(chat.chat(request, "chat-1"))
+    (part,) = body["choices"][0]["message"]["content"]
+    png = base64.b64decode(part["image_url"]["url"].partition(",")[2])
+    got = np.asarray(Image.open(io.BytesIO(png)), dtype=np.int16)
+    (want,) = two_stage.generate("a cat", [None, {**SIZE, "seed": 1}])
+    assert np.abs(got - np.asarray(want.images[0], dtype=np.int16)).max() <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_input_image_is_refused_with_a_message(two_stage):
+    from PIL import Image
+
+    image = Image.new("RGB", (32, 32), "red")
+    with pytest.raises(Exception, match="stage 'encoder'.*takes no input image"):
+        two_stage.generate({"prompt": "make it blue", "multi_modal_data": {"image": [image]}},
+                           [None, SIZE])

@@ -136,7 +136,10 @@ class Orchestrator:
         planned, returned = self.plan(modalities)
         # Input processors see the first planned stage's rendered prompt (text and token
         # ids); a plan of independent stages starts where the request's outputs come from.
-        (prompt,) = await self.stages[planned[0].name].render([prompt])
+        # A first stage with its own input processor gets the prompt as given: the
+        # processor makes the stage's prompt (a template around it, say).
+        if planned[0].input_processor is None:
+            (prompt,) = await self.stages[planned[0].name].render([prompt])
         run = RequestRun(request_id, self.pipeline, self.stages, self.processors, planned,
                          returned, prompt, params)
         self.runs.add(run)

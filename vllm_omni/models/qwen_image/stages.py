@@ -40,7 +40,10 @@ def prompt_template(pipeline_class: str) -> PromptTemplate:
 
 
 def _text(prompt: Any) -> str:
-    """The request's prompt text (the orchestrator hands the entry prompt rendered)."""
+    """The request's prompt text (a string, or vLLM's prompt dict without other inputs)."""
+    if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+        raise ValueError("QwenImagePipeline generates from text only; it takes no input "
+                         "image (editing is Qwen-Image-Edit's, not served on two stages yet)")
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
