@@ -157,9 +157,16 @@ class Orchestrator:
             run.fail_stage(name, error)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request in every stage (a no-op where it is not running)."""
+        """Abort a request in every stage (a no-op where it is not running), every engine
+        request of a stage that runs several prompts for it included."""
+        ids = {name: {stage_request_id(request_id, name)} for name in self.stages}
+        for run in list(self.runs):
+            if run.request_id == request_id:
+                for name, engine_ids in run.engine_ids.items():
+                    ids[name].update(engine_ids)
         for name, stage in self.stages.items():
-            await stage.abort(stage_request_id(request_id, name))
+            for engine_id in sorted(ids[name]):
+                await stage.abort(engine_id)
 
     def supervise(self, restarts: int, hang_timeout: float | None) -> None:
         """Restart stages that die or hang (see supervisor.py); needs a running loop."""
