@@ -84,7 +84,8 @@ def test_chat_answers_with_text_and_the_image_it_drew(chat_to_image):
     model = client.models.list().data[0].id
     both = client.chat.completions.create(
         model=model, messages=BODY["messages"], max_tokens=6, temperature=0,
-        extra_body={"stage_sampling_params": BODY["stage_sampling_params"]})
+        extra_body={"stage_sampling_params": BODY["stage_sampling_params"],
+                    "modalities": ["text", "image"]})
     text_part, image_part = both.choices[0].message.content
     assert text_part["type"] == "text" and text_part["text"]
     assert both.usage.completion_tokens == 6

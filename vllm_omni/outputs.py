@@ -73,6 +73,9 @@ class OmniRequestOutput:
     # Tensors still in a connector (shared memory): what travels between stages. The
     # orchestrator resolves them into `tensors` only for outputs returned to the caller.
     tensor_handles: dict[str, Any] = field(default_factory=dict)
+    # A stage that ran several prompts for the request (a PromptGroup): every prompt's
+    # finished output, in the group's order (this one first).
+    parts: list[OmniRequestOutput] = field(default_factory=list)
 
     def resolve_tensors(self) -> None:
         from vllm_omni.transfer.connectors import SharedMemoryConnector
@@ -88,6 +91,9 @@ class OmniRequestOutput:
         for handle in self.tensor_handles.values():
             SharedMemoryConnector().discard(handle)
         self.tensor_handles = {}
+        for part in self.parts:
+            if part is not self:
+                part.discard_tensors()
 
     @property
     def text(self) -> str | None:

@@ -6,6 +6,7 @@ where `prompt` is the request's rendered entry prompt. Model families add their 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni.outputs import OmniRequestOutput
@@ -15,6 +16,16 @@ from vllm_omni.outputs import OmniRequestOutput
 # Processors of stages that speak (or otherwise use) the answer treat prompt rows from there
 # on as the answer's, as if the text stage had generated them.
 REPLY_START = "omni_reply_start"
+
+
+@dataclass
+class PromptGroup:
+    """Several prompts that one request runs through one stage, each as its own engine
+    request, so the engine batches them (a prompt and its negative prompt through a text
+    encoder, say). The stage's output that its consumers see is the first prompt's, with
+    every prompt's finished output, in order, in its `parts`."""
+
+    prompts: list[Any]
 
 
 def reply_start(text_params: Any, prompt_len: int) -> int:

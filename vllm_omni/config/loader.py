@@ -73,20 +73,25 @@ def model_architectures(model: str | Path) -> list[str]:
     return list(json.loads(config.read_text()).get("architectures") or [])
 
 
+def diffusers_pipeline_class(model: str | Path) -> str | None:
+    """The diffusers pipeline class a diffusers folder names (None for other folders)."""
+    index = Path(model) / "model_index.json"
+    if not index.is_file():
+        return None
+    return json.loads(index.read_text()).get("_class_name")
+
+
 def resolve_pipeline(model: str | Path, stage_configs_path: str | Path | None = None):
     """The pipeline to serve `model` with: the given file, else the built-in one for the
-    model's HF architecture (or diffusers pipeline class), the diffusion pipeline for other
-    diffusers folders, else the one-stage LLM pipeline."""
+    model's HF architecture or diffusers pipeline class, the one-stage diffusion pipeline
+    for other diffusers folders, else the one-stage LLM pipeline."""
     if stage_configs_path is not None:
         return load_pipeline(stage_configs_path)
     pipelines = builtin_pipelines()
-    index = Path(model) / "model_index.json"
-    if index.is_file():
-        # A diffusers folder: the built-in pipeline that lists its pipeline class, else the
-        # one-stage image pipeline.
-        pipeline_class = json.loads(index.read_text()).get("_class_name")
+    diffusers_class = diffusers_pipeline_class(model)
+    if diffusers_class is not None:
         for pipeline in pipelines.values():
-            if pipeline_class in pipeline.architectures:
+            if diffusers_class in pipeline.architectures:
                 return pipeline
         return pipelines[DIFFUSERS_PIPELINE]
     archs = set(model_architectures(model))

@@ -69,6 +69,12 @@ class StageConfig(BaseModel):
     model: str | None = Field(
         default=None, description="Model folder; default: the model the pipeline was loaded for."
     )
+    subfolder: str | None = Field(
+        default=None,
+        description="AR stages: the stage's model is this folder inside the pipeline's model "
+        "(a diffusers folder's 'text_encoder'); a relative `engine_args.tokenizer` is read "
+        "from the pipeline's model too.",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Engine args of the stage's kind: vLLM's AsyncEngineArgs for 'ar', "
@@ -161,6 +167,8 @@ class StageConfig(BaseModel):
             raise ValueError("a stage with inputs needs an input_processor")
         if not kind.autoregressive and (self.hidden_states or self.step_inputs):
             raise ValueError("hidden_states and step_inputs are options of 'ar' stages")
+        if not kind.autoregressive and self.subfolder is not None:
+            raise ValueError("subfolder is an option of 'ar' stages")
         if self.stream_inputs:
             if not kind.streamed_input:
                 takers = [k for k in kind_names() if stage_kind(k).streamed_input]
@@ -180,7 +188,9 @@ class PipelineConfig(BaseModel):
 
     name: str
     architectures: list[str] = Field(
-        default_factory=list, description="HF architectures this built-in pipeline serves."
+        default_factory=list,
+        description="What this built-in pipeline serves: HF architectures (config.json) or "
+        "diffusers pipeline classes (model_index.json's _class_name).",
     )
     stages: list[StageConfig] = Field(min_length=1)
     default_modalities: list[str] | None = Field(

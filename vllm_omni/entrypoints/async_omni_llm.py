@@ -93,12 +93,14 @@ class AsyncOmniLLM:
     @property
     def text_stage(self) -> Stage | None:
         """The stage whose text is the request's text answer (OpenAI sampling params go here):
-        the final text stage, else the first autoregressive stage; None without one."""
+        the final text stage, else the first autoregressive stage that writes text or
+        tokens; None without one (a text encoder whose hidden states feed a DiT is not one:
+        chat draws the last user message, as on a diffusion pipeline)."""
         final = self._final_stage("text")
         if final is not None:
             return final
         ar = [self.stages[s.name] for s in self.order
-              if stage_kind(s.engine).autoregressive]
+              if stage_kind(s.engine).autoregressive and s.output in ("text", "tokens")]
         return ar[0] if ar else None
 
     @property
@@ -138,7 +140,10 @@ class AsyncOmniLLM:
 
     async def render(self, prompts: list[PromptType | EngineInput]) -> list[EngineInput]:
         """Render prompts for the entry stage in one batch; generate() renders any prompt it
-        gets unrendered, one at a time."""
+        gets unrendered, one at a time. An entry stage with an input processor takes its
+        prompts as given (the processor makes the stage's prompt)."""
+        if self.order[0].input_processor is not None:
+            return list(prompts)
         return await self.entry_stage.render(prompts)
 
     async def generate(

@@ -137,7 +137,10 @@ class Orchestrator:
         planned, returned = self.plan(modalities)
         # Input processors see the first planned stage's rendered prompt (text and token
         # ids); a plan of independent stages starts where the request's outputs come from.
-        (prompt,) = await self.stages[planned[0].name].render([prompt])
+        # A first stage with its own input processor gets the prompt as given: the
+        # processor makes the stage's prompt (a template around it, say).
+        if planned[0].input_processor is None:
+            (prompt,) = await self.stages[planned[0].name].render([prompt])
         run = RequestRun(request_id, self.pipeline, self.stages, self.processors, planned,
                          returned, prompt, params)
         self.runs.add(run)
@@ -155,9 +158,16 @@ class Orchestrator:
             run.fail_stage(name, error)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request in every stage (a no-op where it is not running)."""
+        """Abort a request in every stage (a no-op where it is not running), every engine
+        request of a stage that runs several prompts for it included."""
+        ids = {name: {stage_request_id(request_id, name)} for name in self.stages}
+        for run in list(self.runs):
+            if run.request_id == request_id:
+                for name, engine_ids in run.engine_ids.items():
+                    ids[name].update(engine_ids)
         for name, stage in self.stages.items():
-            await stage.abort(stage_request_id(request_id, name))
+            for engine_id in sorted(ids[name]):
+                await stage.abort(engine_id)
 
     def supervise(self, restarts: int, hang_timeout: float | None) -> None:
         """Restart stages that die or hang (see supervisor.py); needs a running loop."""

@@ -21,6 +21,7 @@ from vllm_omni.config import PipelineConfig, StageConfig
 from vllm_omni.engine.stage import Stage
 from vllm_omni.errors import StageError
 from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.processors import PromptGroup
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ class RequestRun:
         self.edges = {s.name: asyncio.Queue() for s in planned if s.stream_inputs}
         self.finished: dict[str, OmniRequestOutput] = {}
         self.started: set[str] = set()
+        # The engine request ids each started stage holds for this request.
+        self.engine_ids: dict[str, list[str]] = {}
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: dict[str, asyncio.Task] = {}
         # Seconds each stage took, filled as stages finish; every output carries this one
@@ -115,25 +118,29 @@ class RequestRun:
                    for c in self.pipeline.consumers(name) if c.name in self.edges]
         try:
             prompt, complete = await self.stage_input(config)
-            if not complete:
-                # It first runs when generate() below first waits, after the stage has sent
-                # the request to its engine: no chunk overtakes the start.
-                feeder = asyncio.create_task(self.feed(config))
-            self.started.add(name)
-            start = time.perf_counter()
-            async for out in self.stages[name].generate(
-                stage_request_id(self.request_id, name), prompt, self.params[name],
-                input_complete=complete, keep_hidden_states=self.keep_hidden[name],
-            ):
-                out.request_id = self.request_id
-                out.metrics["stage_seconds"] = self.stage_seconds
-                if out.finished:
-                    self.stage_seconds[name] = round(time.perf_counter() - start, 6)
-                    self.finished[name] = out
-                for edge in streams:
-                    edge.offer(out)
-                if name in self.returned:
-                    self.queue.put_nowait(self.for_caller(out))
+            if isinstance(prompt, PromptGroup):
+                await self.run_group(config, prompt)
+            else:
+                if not complete:
+                    # It first runs when generate() below first waits, after the stage has
+                    # sent the request to its engine: no chunk overtakes the start.
+                    feeder = asyncio.create_task(self.feed(config))
+                self.started.add(name)
+                self.engine_ids[name] = [stage_request_id(self.request_id, name)]
+                start = time.perf_counter()
+                async for out in self.stages[name].generate(
+                    self.engine_ids[name][0], prompt, self.params[name],
+                    input_complete=complete, keep_hidden_states=self.keep_hidden[name],
+                ):
+                    out.request_id = self.request_id
+                    out.metrics["stage_seconds"] = self.stage_seconds
+                    if out.finished:
+                        self.stage_seconds[name] = round(time.perf_counter() - start, 6)
+                        self.finished[name] = out
+                    for edge in streams:
+                        edge.offer(out)
+                    if name in self.returned:
+                        self.queue.put_nowait(self.for_caller(out))
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -145,14 +152,58 @@ class RequestRun:
             if feeder is not None:
                 feeder.cancel()
 
+    async def run_group(self, config: StageConfig, group: PromptGroup) -> None:
+        """Several prompts of this request through one stage, concurrently; the first
+        prompt's finished output, with all of them as its `parts`, is the stage's."""
+        name = config.name
+        if name in self.returned or any(c.name in self.edges
+                                        for c in self.pipeline.consumers(name)):
+            raise ValueError(f"stage {name!r}: a prompt group feeds whole outputs to "
+                             "other stages; it cannot be a final output or stream")
+        base = stage_request_id(self.request_id, name)
+        self.engine_ids[name] = [base] + [f"{base}.{i}" for i in range(1, len(group.prompts))]
+        self.started.add(name)
+        start = time.perf_counter()
+
+        async def one(engine_id: str, prompt: Any) -> OmniRequestOutput:
+            last = None
+            async for out in self.stages[name].generate(
+                engine_id, prompt, self.params[name],
+                keep_hidden_states=self.keep_hidden[name],
+            ):
+                last = out
+                if out.finished:
+                    parts[engine_id] = out
+            assert last is not None and last.finished, f"stage {name!r} ended unfinished"
+            return last
+
+        parts: dict[str, OmniRequestOutput] = {}
+        try:
+            outs = await asyncio.gather(*(one(i, p) for i, p in
+                                          zip(self.engine_ids[name], group.prompts,
+                                              strict=True)))
+        except BaseException:
+            for out in parts.values():  # finished parts nobody will read
+                out.discard_tensors()
+            raise
+        self.stage_seconds[name] = round(time.perf_counter() - start, 6)
+        first = outs[0]
+        first.request_id = self.request_id
+        first.metrics["stage_seconds"] = self.stage_seconds
+        first.parts = list(outs)
+        self.finished[name] = first
+
     async def stage_input(self, config: StageConfig) -> tuple[Any, bool]:
-        """The stage's prompt, and whether it is the whole input."""
+        """The stage's prompt, and whether it is the whole input. A first stage with an
+        input processor gets the request's prompt through it."""
         name = config.name
         if config.stream_inputs:
             (upstream,) = config.inputs
             first = await self.edges[name].get()
             return self.process(name, {upstream: first}), first.finished
         if not config.inputs:
+            if config.input_processor:
+                return self.process(name, {}), True
             return self.prompt, True
         for upstream in config.inputs:
             await self.done[upstream].wait()
@@ -201,10 +252,11 @@ class RequestRun:
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         for name in self.started - {n for n, e in self.done.items() if e.is_set()}:
-            try:
-                await self.stages[name].abort(stage_request_id(self.request_id, name))
-            except Exception as e:  # a dead engine holds nothing to abort
-                logger.debug("abort of %r in stage %r: %s", self.request_id, name, e)
+            for engine_id in self.engine_ids.get(name, []):
+                try:
+                    await self.stages[name].abort(engine_id)
+                except Exception as e:  # a dead engine holds nothing to abort
+                    logger.debug("abort of %r in stage %r: %s", engine_id, name, e)
         # Payloads no stage read (a consumer failed or was cancelled first) are freed.
         for out in self.finished.values():
             out.discard_tensors()

@@ -196,20 +196,21 @@ def build_qwen_image():
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tokenizer = _qwen_tokenizer()
+    # Head dim 32: the smallest vLLM's CPU attention takes (the encoder runs on vLLM too).
     text_config = {
         "vocab_size": len(tokenizer),
-        "hidden_size": 32,
-        "intermediate_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 128,
         "num_hidden_layers": 2,
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
         "max_position_embeddings": 1024,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
         "bos_token_id": None,
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
     }
     vision_config = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                     "out_hidden_size": 32, "patch_size": 14, "spatial_merge_size": 2}
+                     "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2}
     text_encoder = Qwen2_5_VLForConditionalGeneration(
         Qwen2_5_VLConfig(
             text_config=text_config,
@@ -225,7 +226,7 @@ def build_qwen_image():
         num_layers=2,
         attention_head_dim=16,
         num_attention_heads=2,
-        joint_attention_dim=32,
+        joint_attention_dim=64,
         axes_dims_rope=(4, 6, 6),
     )
     vae = AutoencoderKLQwenImage(

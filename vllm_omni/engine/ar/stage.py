@@ -6,6 +6,7 @@ import dataclasses
 import os
 from collections.abc import AsyncIterator
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, ClassVar
 
 from vllm import SamplingParams
@@ -43,8 +44,12 @@ def stage_engine_args(
     unknown = sorted(set(engine_kwargs) - _ENGINE_ARG_NAMES)
     if unknown:
         raise TypeError(f"unknown vLLM engine args: {unknown}")
+    root = stage.model or model
     merged = {**(planned or {}), **stage.engine_args, **engine_kwargs,
-              "model": stage.model or model}
+              "model": str(Path(root) / stage.subfolder) if stage.subfolder else root}
+    tokenizer = stage.engine_args.get("tokenizer")
+    if stage.subfolder and tokenizer and not Path(tokenizer).is_absolute():
+        merged["tokenizer"] = str(Path(root) / tokenizer)
     if isinstance(merged.get("hf_overrides"), str):  # 'module:function' from the YAML
         merged["hf_overrides"] = load_function(merged["hf_overrides"])
     if stage.keeps_hidden_states or stage.step_inputs:
@@ -61,7 +66,7 @@ def stage_engine_args(
         merged.setdefault("enable_prefix_caching", False)
         # The compiled graph runs without Python module hooks and callbacks: eager mode.
         merged.setdefault("enforce_eager", True)
-    if stage.model and "tokenizer" not in stage.engine_args:
+    if (stage.model or stage.subfolder) and "tokenizer" not in stage.engine_args:
         merged.pop("tokenizer", None)
     return AsyncEngineArgs(**merged)
 

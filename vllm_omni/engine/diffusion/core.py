@@ -67,6 +67,9 @@ class EngineOptions:
     # CPU cores the ranks split evenly (from the stage's placement); default: this
     # process' cores.
     cores: list[int] | None = None
+    # Pipeline components not loaded (diffusers' `from_pretrained(name=None)`): the text
+    # encoder of a pipeline whose prompts an upstream stage encodes.
+    skip_components: list[str] = field(default_factory=list)
     defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -120,7 +123,9 @@ class DiffusionCore(CoreBase):
 
             # Started first: they load their transformers while this process loads its own.
             ranks = RankGroup(model, options)
-        pipe = DiffusionPipeline.from_pretrained(model, dtype=getattr(torch, options.dtype))
+        pipe = DiffusionPipeline.from_pretrained(
+            model, dtype=getattr(torch, options.dtype),
+            **dict.fromkeys(options.skip_components))
         if options.offload == "model":
             pipe.enable_model_cpu_offload(device=options.device)
         elif options.offload == "sequential":
@@ -182,10 +187,16 @@ class DiffusionCore(CoreBase):
     # -- requests ------------------------------------------------------------------------
 
     def add(self, msg: AddRequest) -> None:
+        prompt, conditioning = msg.prompt, []
         try:
+            if isinstance(prompt, dict):  # encoded upstream: read (and so free) its states
+                prompt, given_states = prompt["prompt"], prompt["conditioning"]
+                conditioning = [self.adapter.conditioning_from_states(
+                    self.connector.get(c["states"]), c["length"]) for c in given_states]
             self.adapter.check_inputs(msg.images)
             given = DiffusionParams.parse(msg.params).merged(self.defaults)
             resolved = self.adapter.resolve(given)
+            self.adapter.check_conditioning(conditioning, resolved)
             if (self.max_image_pixels and resolved.height and resolved.width
                     and resolved.height * resolved.width > self.max_image_pixels):
                 raise ValueError(
@@ -196,8 +207,8 @@ class DiffusionCore(CoreBase):
         except ValueError as e:
             self.fail([msg.request_id], e, "invalid")
             return
-        self.scheduler.add(DiffusionRequest(msg.request_id, msg.prompt, resolved,
-                                            input_images=msg.images))
+        self.scheduler.add(DiffusionRequest(msg.request_id, prompt, resolved,
+                                            input_images=msg.images, given=conditioning))
 
     def drop(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

@@ -29,6 +29,9 @@ class DiffusionRequest:
     key: tuple = ()
     # Latent tokens x images: the unit of the scheduler's memory budget.
     cost: int = 0
+    # Conditioning an upstream stage computed (the prompt's, then the negative prompt's):
+    # used instead of encoding the prompt here.
+    given: list[dict[str, torch.Tensor]] = field(default_factory=list)
     cond: dict[str, torch.Tensor] = field(default_factory=dict)
     uncond: dict[str, torch.Tensor] | None = None
     latents: torch.Tensor | None = None

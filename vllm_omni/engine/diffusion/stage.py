@@ -62,14 +62,18 @@ def engine_options(
     return EngineOptions(**options)
 
 
-def split_prompt(prompt: Any) -> tuple[str, list[Any]]:
+def split_prompt(prompt: Any) -> tuple[str, list[Any], list[dict[str, Any]]]:
     """A diffusion prompt is a string, or a dict in vLLM's shape: 'prompt' and optional
-    'multi_modal_data': {'image': one image or a list} for pipelines that take images."""
+    'multi_modal_data': {'image': one image or a list} for pipelines that take images, and
+    'conditioning': the prompt already encoded by an upstream stage (hidden states as
+    connector handles, the prompt's first, a negative prompt's second; see
+    DiffusionCore.add)."""
     if isinstance(prompt, str):
-        return prompt, []
+        return prompt, [], []
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
         images = (prompt.get("multi_modal_data") or {}).get("image") or []
-        return prompt["prompt"], images if isinstance(images, list) else [images]
+        return (prompt["prompt"], images if isinstance(images, list) else [images],
+                list(prompt.get("conditioning") or []))
     raise ValueError(f"a diffusion stage takes a text prompt, got {type(prompt).__name__}")
 
 
@@ -148,7 +152,8 @@ class DiffusionStage(EngineStage):
         patch = max(patch[-1] if isinstance(patch, list) else patch, 2)  # Flux packs 2 x 2
         tokens = (side // scale // patch) ** 2
         per_image = max(2 * tokens * inner * itemsize * 16, side * side * channels * 3 * itemsize)
-        weights = weights_bytes(str(root), None, itemsize)
+        weights = weights_bytes(str(root), None, itemsize) - sum(
+            weights_bytes(str(root / c), None, itemsize) for c in options.skip_components)
         if world > 1:
             weights += (world - 1) * weights_bytes(str(root / "transformer"), None, itemsize)
         if options.offload:  # the device holds one model, or one block, at a time
@@ -191,10 +196,11 @@ class DiffusionStage(EngineStage):
     ) -> AsyncIterator[OmniRequestOutput]:
         if not input_complete:
             raise ValueError(f"stage {self.name!r} takes no streamed input")
-        text, images = split_prompt(prompt)
+        text, images, conditioning = split_prompt(prompt)
         steps_seen = 0
         given = params.model_dump(exclude_unset=True)
-        async for out in self.engine.generate(request_id, text, given, images):
+        engine_prompt = {"prompt": text, "conditioning": conditioning} if conditioning else text
+        async for out in self.engine.generate(request_id, engine_prompt, given, images):
             STEPS.labels(self.name).inc(out.step - steps_seen)
             steps_seen = out.step
             result = OmniRequestOutput(

@@ -178,12 +178,37 @@ class StepAdapter:
                 f"{type(self.pipe).__name__} generates from text only; it takes no input image"
             )
 
+    def conditioning_from_states(self, tensors: dict[str, torch.Tensor],
+                                 length: int) -> dict[str, torch.Tensor]:
+        """Conditioning from an upstream text encoder's hidden states (`length` prompt
+        rows), for families whose encoder can run as its own stage."""
+        raise ValueError(f"{type(self.pipe).__name__} takes no prompt encoded upstream")
+
+    def check_conditioning(self, given: list[dict], params: DiffusionParams) -> None:
+        """A request's upstream conditioning fits it; without one, the text encoder is here."""
+        if not given:
+            if getattr(self.pipe, "text_encoder", True) is None:
+                raise ValueError(
+                    f"{type(self.pipe).__name__} was loaded without its text encoder "
+                    "(engine option skip_components): prompts must come encoded from an "
+                    "upstream stage")
+            return
+        wanted = 2 if self.uses_cfg(params) else 1
+        if len(given) < wanted:
+            raise ValueError("true CFG needs the negative prompt encoded upstream too")
+
     def encode(self, reqs: list[DiffusionRequest]) -> None:
-        texts = sorted({t for r in reqs for t in (r.prompt, r.params.negative_prompt) if t})
-        if self.needs_empty_negative(reqs):
+        todo = [r for r in reqs if not r.given]
+        texts = sorted({t for r in todo for t in (r.prompt, r.params.negative_prompt) if t})
+        if todo and self.needs_empty_negative(todo):
             texts = sorted(set(texts) | {""})
-        encoded = dict(zip(texts, self.encode_texts(texts), strict=True))
+        encoded = dict(zip(texts, self.encode_texts(texts), strict=True)) if texts else {}
         for r in reqs:
+            if r.given:
+                r.cond = r.given[0]
+                if self.uses_cfg(r.params):
+                    r.uncond = r.given[1]
+                continue
             r.cond = encoded[r.prompt]
             if self.uses_cfg(r.params):
                 r.uncond = encoded[r.params.negative_prompt or ""]

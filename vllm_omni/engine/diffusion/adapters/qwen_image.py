@@ -41,6 +41,14 @@ class QwenImageAdapter(StepAdapter):
         # Kept unpadded: a batch pads to its own longest text and masks the rest.
         return [{"embeds": e[None, :n]} for e, n in zip(embeds, lengths, strict=True)]
 
+    def conditioning_from_states(self, tensors, length):
+        # As the pipeline's encode_prompt: the last hidden states (after the final norm) of
+        # the template-wrapped prompt, without the template's first tokens, then cut to the
+        # longest text the pipeline takes.
+        drop = self.pipe.prompt_template_encode_start_idx
+        states = tensors["hidden_states"][drop:length][: self.max_sequence_length]
+        return {"embeds": states[None].to(self.device, self.dtype)}
+
     def initial_latents(self, req: DiffusionRequest, generator: torch.Generator) -> torch.Tensor:
         p = req.params
         return self.pipe.prepare_latents(
