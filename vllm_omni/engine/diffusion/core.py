@@ -207,6 +207,9 @@ class DiffusionCore(CoreBase):
         except ValueError as e:
             self.fail([msg.request_id], e, "invalid")
             return
+        except Exception as e:  # a bug fails its request, not the engine
+            self.fail([msg.request_id], e, "internal")
+            return
         self.scheduler.add(DiffusionRequest(msg.request_id, prompt, resolved,
                                             input_images=msg.images, given=conditioning))
 

@@ -84,6 +84,14 @@ class WholeRequestAdapter:
     def release(self, request_id: str) -> None:
         """Nothing of a request outlives its call here."""
 
+    def conditioning_from_states(self, tensors: dict[str, torch.Tensor],
+                                 length: int) -> dict[str, torch.Tensor]:
+        raise ValueError(f"{type(self.pipe).__name__} runs whole requests: it takes no prompt "
+                         "encoded upstream")
+
+    def check_conditioning(self, given: list[dict], params: DiffusionParams) -> None:
+        pass  # nothing comes encoded upstream: conditioning_from_states refuses it
+
     def check_cache(self, config: CacheConfig) -> None:
         if config.enabled:
             raise ValueError(
