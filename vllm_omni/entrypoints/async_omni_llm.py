@@ -45,6 +45,11 @@ class AsyncOmniLLM:
             0: never (orchestrator/supervisor.py).
         stage_hang_timeout: seconds a stage's engine may leave a probe unanswered before
             it counts as hung; None: dead engines only.
+        ray_address: run every stage as an actor on the Ray cluster at this address
+            ('auto': the one on this machine; cluster/, docs/design/ray.md); None: every
+            stage in this host's processes, and Ray is not imported.
+        ray_placement_timeout: seconds a stage's placement on the Ray cluster may take
+            before start-up fails naming the stage and what the cluster lacks.
         **engine_kwargs: vLLM engine args applied to every AR stage (dtype, max_model_len...);
             diffusion stages take the ones that apply to them (dtype).
     """
@@ -59,6 +64,8 @@ class AsyncOmniLLM:
         cache_config: dict[str, Any] | None = None,
         stage_restarts: int = 3,
         stage_hang_timeout: float | None = 120.0,
+        ray_address: str | None = None,
+        ray_placement_timeout: float = 60.0,
         **engine_kwargs: Any,
     ) -> None:
         self.model = model
@@ -67,7 +74,18 @@ class AsyncOmniLLM:
         # run them, so a second thread could build its config before our models register.
         load_general_plugins()
         context = StartContext(model, engine_kwargs, usage_context, cache_config)
-        self.orchestrator = Orchestrator(self.pipeline, context)
+        self.launcher = None
+        if ray_address is not None:
+            from vllm_omni.cluster.stage import RayLauncher
+
+            self.launcher = context.launcher = RayLauncher(
+                ray_address, self.pipeline, placement_timeout=ray_placement_timeout)
+        try:
+            self.orchestrator = Orchestrator(self.pipeline, context)
+        except BaseException:
+            if self.launcher is not None:
+                self.launcher.close()
+            raise
         self.memory_plan = self.orchestrator.memory_plan
         self.stages: dict[str, Stage] = self.orchestrator.stages
         self.order: list[StageConfig] = self.orchestrator.order  # stages, inputs first
@@ -166,3 +184,5 @@ class AsyncOmniLLM:
 
     def shutdown(self) -> None:
         self.orchestrator.shutdown()
+        if self.launcher is not None:
+            self.launcher.close()

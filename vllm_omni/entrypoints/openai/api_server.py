@@ -381,6 +381,8 @@ async def serve_http(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
         cache_config=getattr(args, "cache_config", None),
         stage_restarts=args.stage_restarts,
         stage_hang_timeout=args.stage_hang_timeout or None,
+        ray_address=getattr(args, "ray_address", None),
+        ray_placement_timeout=getattr(args, "ray_placement_timeout", 60.0),
         **engine_kwargs,
     )
     try:
