@@ -178,12 +178,13 @@ def test_killed_node_fails_its_stage_and_leaves_nothing(on_ray, cluster):
     engine = on_ray.engine
 
     async def long_image():
-        return [o async for o in engine.generate(PROMPTS[0], [None, None,
-                                                              {"num_inference_steps": 5000}])]
+        slow = {"num_inference_steps": 1000, "height": 256, "width": 256}
+        return [o async for o in engine.generate(PROMPTS[0], [None, None, slow])]
 
     async def kill_mid_request():
         task = asyncio.create_task(long_image())
-        while not any(run.started >= {"dit"} for run in engine.orchestrator.runs):
+        while not any("dit" in run.started for run in engine.orchestrator.runs):
+            assert not task.done(), task.exception()
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)
         killed = time.monotonic()
