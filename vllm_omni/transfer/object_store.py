@@ -30,19 +30,31 @@ class ObjectStoreConnector:
     def put(self, tensors: dict[str, torch.Tensor]) -> ObjectStoreHandle:
         import ray
 
-        # Contiguous CPU tensors pickle as one buffer each (Ray's zero-copy path for
-        # numpy-backed data keeps them in shared memory on the reading node).
-        plain = {k: t.detach().contiguous().cpu() for k, t in tensors.items()}
-        nbytes = sum(t.numel() * t.element_size() for t in plain.values())
+        # Raw bytes as numpy arrays: Ray stores those as one buffer each, without pickling
+        # the tensors, and a reader on the node maps them from its store instead of copying.
+        plain = {}
+        for name, t in tensors.items():
+            t = t.detach().contiguous().cpu()
+            raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else None
+            plain[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
+        nbytes = sum(raw.nbytes for _, _, raw in plain.values() if raw is not None)
         node = ray.get_runtime_context().get_node_id()
         return ObjectStoreHandle(ray.put(plain), node, nbytes)
 
     def get(self, handle: ObjectStoreHandle) -> dict[str, torch.Tensor]:
         import ray
 
-        tensors = ray.get(handle.ref)
+        stored = ray.get(handle.ref)
         handle.ref = None  # read once, as every connector's payload
-        return tensors
+        out = {}
+        for name, (dtype, shape, raw) in stored.items():
+            if raw is None:
+                out[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+                continue
+            # The array maps the object store (read-only, freed with the reference): copy.
+            flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            out[name] = flat.view(getattr(torch, dtype)).reshape(shape)
+        return out
 
     def discard(self, handle: ObjectStoreHandle) -> None:
         handle.ref = None
