@@ -9,7 +9,6 @@ of their readers is on another node (the connector is chosen per edge).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -226,12 +225,3 @@ class RayLauncher:
         if self.connected_here:
             ray.shutdown()
 
-
-async def wait_dead(stage: RayStage, timeout: float) -> bool:
-    """Whether `stage` counts as dead within `timeout` seconds (tests, tools)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if stage.errored:
-            return True
-        await asyncio.sleep(0.2)
-    return False
