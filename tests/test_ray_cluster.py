@@ -178,7 +178,7 @@ def test_killed_node_fails_its_stage_and_leaves_nothing(on_ray, cluster):
     engine = on_ray.engine
 
     async def long_image():
-        slow = {"num_inference_steps": 1000, "height": 256, "width": 256}
+        slow = {"num_inference_steps": 1000}  # seconds of denoising: killed midway
         return [o async for o in engine.generate(PROMPTS[0], [None, None, slow])]
 
     async def kill_mid_request():
