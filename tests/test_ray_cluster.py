@@ -222,3 +222,25 @@ def test_killed_node_fails_its_stage_and_leaves_nothing(on_ray, cluster):
         assert all(g["state"] == "REMOVED" for g in groups if g["name"].startswith("vllm-omni"))
     finally:
         ray.shutdown()
+
+
+def test_a_stage_bundle_follows_device_ranks_and_resources():
+    from pydantic import ValidationError
+
+    from vllm_omni.cluster.placement import shortfall, stage_bundle
+    from vllm_omni.config.kinds import StartContext
+    from vllm_omni.config.schema import StageConfig
+
+    def bundle(**stage):
+        return stage_bundle(StageConfig(name="s", **stage), StartContext("m"))
+
+    assert bundle() == {"CPU": 1.0}
+    assert bundle(engine_args={"tensor_parallel_size": 2},
+                  placement={"resources": {"node_b": 1}}) == {"CPU": 2.0, "node_b": 1}
+    assert bundle(engine="diffusion", output="image",
+                  placement={"device": "cuda"}) == {"CPU": 1.0, "GPU": 1.0}
+    with pytest.raises(ValidationError, match="CPU / GPU follow"):
+        bundle(placement={"resources": {"GPU": 2}})
+    nodes = [{"Alive": True, "Resources": {"CPU": 4, "node_a": 1}},
+             {"Alive": False, "Resources": {"CPU": 4, "node_b": 1}}]
+    assert shortfall({"CPU": 2, "node_b": 1}, nodes) == "no live node offers {node_b: 1}"

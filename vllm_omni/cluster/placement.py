@@ -20,7 +20,9 @@ def stage_bundle(config: StageConfig, context: StartContext) -> dict[str, float]
     """The resources of a stage's actor, from its device, ranks and placement."""
     plan = context.memory_plan.stage(config.name) if context.memory_plan else None
     device = plan.device if plan else stage_device(config)
-    ranks = plan.ranks if plan else 1
+    args = config.engine_args
+    ranks = plan.ranks if plan else (int(args.get("tensor_parallel_size", 1))
+                                     * int(args.get("pipeline_parallel_size", 1)))
     bundle: dict[str, float] = {"CPU": float(ranks)}
     if device.startswith("cuda"):
         bundle = {"CPU": 1.0, "GPU": float(ranks)}
