@@ -70,26 +70,27 @@ class OmniRequestOutput:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     num_cached_tokens: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
-    # Tensors still in a connector (shared memory): what travels between stages. The
-    # orchestrator resolves them into `tensors` only for outputs returned to the caller.
+    # Tensors still in a connector (shared memory, Ray's object store): what travels
+    # between stages. The orchestrator resolves them into `tensors` only for outputs
+    # returned to the caller.
     tensor_handles: dict[str, Any] = field(default_factory=dict)
     # A stage that ran several prompts for the request (a PromptGroup): every prompt's
     # finished output, in the group's order (this one first).
     parts: list[OmniRequestOutput] = field(default_factory=list)
 
     def resolve_tensors(self) -> None:
-        from vllm_omni.transfer.connectors import SharedMemoryConnector
+        from vllm_omni.transfer.connectors import connector_for
 
         for handle in self.tensor_handles.values():
-            self.tensors.update(SharedMemoryConnector().get(handle))
+            self.tensors.update(connector_for(handle).get(handle))
         self.tensor_handles = {}
 
     def discard_tensors(self) -> None:
         """Free payloads still in a connector (a no-op for ones already read)."""
-        from vllm_omni.transfer.connectors import SharedMemoryConnector
+        from vllm_omni.transfer.connectors import connector_for
 
         for handle in self.tensor_handles.values():
-            SharedMemoryConnector().discard(handle)
+            connector_for(handle).discard(handle)
         self.tensor_handles = {}
         for part in self.parts:
             if part is not self:

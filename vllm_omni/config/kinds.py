@@ -8,13 +8,15 @@ A plugin adds its own kind with `register_stage_kind("name", "package.module:Cla
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm_omni.config.memory import MemoryPlan
-    from vllm_omni.engine.stage import StageKind
+    from vllm_omni.config.schema import StageConfig
+    from vllm_omni.engine.stage import Stage, StageKind
 
 _KINDS: dict[str, str] = {
     "ar": "vllm_omni.engine.ar.stage:ARStage",
@@ -35,6 +37,16 @@ class StartContext:
     # Degrees for every diffusion stage (ulysses_degree, ring_degree, cfg_parallel_size),
     # over the stages' own engine_args (the CLI's --ulysses-degree...).
     diffusion_parallel: dict[str, int] | None = None
+    # Where stages start: None, in this process through their kind; a Ray cluster's
+    # launcher (cluster/stage.py) starts each as an actor and returns its proxy.
+    launcher: Callable[[StageConfig, StartContext], Stage] | None = None
+
+
+def start_stage(config: StageConfig, context: StartContext) -> Stage:
+    """Start a stage where the context says: through its launcher, else its kind."""
+    if context.launcher is not None:
+        return context.launcher(config, context)
+    return stage_kind(config.engine).start(config, context)
 
 
 def register_stage_kind(name: str, path: str) -> None:

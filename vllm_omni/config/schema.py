@@ -47,6 +47,22 @@ class Placement(BaseModel):
         "process may use. Ignored where VLLM_CPU_OMP_THREADS_BIND is set.",
     )
 
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="On a Ray cluster (--ray-address): Ray custom resources the stage's actor "
+        "requires, e.g. {node_b: 1}, which pin it to the nodes that offer them. CPUs and GPUs "
+        "follow from the device and the stage's ranks. Ignored without --ray-address.",
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _positive_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = sorted(k for k, v in value.items() if v <= 0 or k in ("CPU", "GPU"))
+        if bad:
+            raise ValueError(f"resources {bad}: amounts must be positive, and CPU / GPU follow "
+                             "from the device and ranks")
+        return value
+
     @field_validator("cores")
     @classmethod
     def _distinct_cores(cls, value: list[int] | None) -> list[int] | None:

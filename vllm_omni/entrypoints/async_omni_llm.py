@@ -47,6 +47,11 @@ class AsyncOmniLLM:
             it counts as hung; None: dead engines only.
         diffusion_parallel: ranks of every diffusion stage (`ulysses_degree`, `ring_degree`,
             `cfg_parallel_size`), over each stage's own engine_args.
+        ray_address: run every stage as an actor on the Ray cluster at this address
+            ('auto': the one on this machine; cluster/, docs/design/ray.md); None: every
+            stage in this host's processes, and Ray is not imported.
+        ray_placement_timeout: seconds a stage's placement on the Ray cluster may take
+            before start-up fails naming the stage and what the cluster lacks.
         **engine_kwargs: vLLM engine args applied to every AR stage (dtype, max_model_len...);
             diffusion stages take the ones that apply to them (dtype).
     """
@@ -62,6 +67,8 @@ class AsyncOmniLLM:
         stage_restarts: int = 3,
         stage_hang_timeout: float | None = 120.0,
         diffusion_parallel: dict[str, int] | None = None,
+        ray_address: str | None = None,
+        ray_placement_timeout: float = 60.0,
         **engine_kwargs: Any,
     ) -> None:
         self.model = model
@@ -71,7 +78,18 @@ class AsyncOmniLLM:
         load_general_plugins()
         context = StartContext(model, engine_kwargs, usage_context, cache_config,
                                diffusion_parallel=diffusion_parallel)
-        self.orchestrator = Orchestrator(self.pipeline, context)
+        self.launcher = None
+        if ray_address is not None:
+            from vllm_omni.cluster.stage import RayLauncher
+
+            self.launcher = context.launcher = RayLauncher(
+                ray_address, self.pipeline, placement_timeout=ray_placement_timeout)
+        try:
+            self.orchestrator = Orchestrator(self.pipeline, context)
+        except BaseException:
+            if self.launcher is not None:
+                self.launcher.close()
+            raise
         self.memory_plan = self.orchestrator.memory_plan
         self.stages: dict[str, Stage] = self.orchestrator.stages
         self.order: list[StageConfig] = self.orchestrator.order  # stages, inputs first
@@ -179,3 +197,5 @@ class AsyncOmniLLM:
 
     def shutdown(self) -> None:
         self.orchestrator.shutdown()
+        if self.launcher is not None:
+            self.launcher.close()

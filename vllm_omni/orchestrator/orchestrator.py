@@ -17,7 +17,7 @@ from typing import Any
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_omni.config import PipelineConfig, StageConfig
-from vllm_omni.config.kinds import StartContext, stage_kind
+from vllm_omni.config.kinds import StartContext, start_stage
 from vllm_omni.config.loader import load_function
 from vllm_omni.config.memory import plan_pipeline
 from vllm_omni.config.schema import MODALITY_OF_OUTPUT
@@ -66,7 +66,7 @@ class Orchestrator:
         def start(stage: StageConfig) -> Stage:
             logger.info("Starting stage %r (%s) of pipeline %r", stage.name, stage.engine,
                         self.pipeline.name)
-            return stage_kind(stage.engine).start(stage, context)
+            return start_stage(stage, context)
 
         failures: dict[str, BaseException] = {}
         if len(self.order) == 1:  # in this thread, so the engine binds to the running loop

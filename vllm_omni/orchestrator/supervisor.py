@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from vllm_omni.config.kinds import StartContext, stage_kind
+from vllm_omni.config.kinds import StartContext, start_stage
 
 if TYPE_CHECKING:
     from vllm_omni.orchestrator.orchestrator import Orchestrator
@@ -90,8 +90,7 @@ class StageSupervisor:
             # Shut down first: its memory is what the new engine's plan counts on.
             await asyncio.to_thread(self.orchestrator.stages[name].shutdown)
             config = self.orchestrator.pipeline.stage(name)
-            stage = await asyncio.to_thread(stage_kind(config.engine).start, config,
-                                            self.context)
+            stage = await asyncio.to_thread(start_stage, config, self.context)
         except Exception as e:
             logger.exception("Stage %r could not be restarted", name)
             self.down[name] = f"{why}, and restarting failed: {e}"

@@ -10,7 +10,8 @@ read once: `get` releases it (a payload is one request's data for one downstream
   pickle.
 - InProcessConnector: a dict, for stages in the same process and for tests.
 
-A cross-host connector (e.g. on Ray's object store) implements the same three methods.
+Across nodes of a Ray cluster, transfer/object_store.py's ObjectStoreConnector does the same
+through Ray's object store; `connector_for` picks the one that reads a given handle.
 """
 
 from __future__ import annotations
@@ -159,3 +160,12 @@ class InProcessConnector:
 
     def discard(self, handle: str) -> None:
         self._store.pop(handle, None)
+
+
+def connector_for(handle: object) -> Connector:
+    """The connector that reads `handle` (whichever kind of edge it crossed)."""
+    from vllm_omni.transfer.object_store import ObjectStoreConnector, ObjectStoreHandle
+
+    if isinstance(handle, ObjectStoreHandle):
+        return ObjectStoreConnector()
+    return SharedMemoryConnector()

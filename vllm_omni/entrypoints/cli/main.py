@@ -63,6 +63,19 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         "as hung and is restarted (it answers between steps). 0: only dead engines.",
     )
     parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="Run every stage as an actor on the Ray cluster at this address (HOST:PORT of "
+        "the head node, or 'auto' for the one on this machine); needs vllm-omni[ray].",
+    )
+    parser.add_argument(
+        "--ray-placement-timeout",
+        type=float,
+        default=60.0,
+        help="Seconds a stage's placement on the Ray cluster may take before start-up fails "
+        "naming the stage and the resources no node offers.",
+    )
+    parser.add_argument(
         "--max-request-body-mb",
         type=float,
         default=64.0,  # room for a few images or a minute of audio as base64

@@ -475,6 +475,8 @@ async def serve_http(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
         stage_restarts=args.stage_restarts,
         stage_hang_timeout=args.stage_hang_timeout or None,
         diffusion_parallel=getattr(args, "diffusion_parallel", None),
+        ray_address=getattr(args, "ray_address", None),
+        ray_placement_timeout=getattr(args, "ray_placement_timeout", 60.0),
         **engine_kwargs,
     )
     try:
