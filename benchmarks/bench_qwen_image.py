@@ -18,28 +18,14 @@ import argparse
 import asyncio
 import json
 import statistics
-import time
+
+from bench_diffusion import closed_loop
 
 from vllm_omni.config.loader import BUILTIN_DIR
 from vllm_omni.testing.tiny_models import get_or_make
 
 PROMPTS = ["a red cat on a sofa", "a big blue house by the sea at night, under a full moon",
            "two dogs", "a bowl of fruit on a wooden table, in soft morning light"]
-
-
-async def closed_loop(send, concurrency: int, total: int) -> tuple[float, list[float]]:
-    latencies: list[float] = []
-    counter = iter(range(total))
-
-    async def client() -> None:
-        for i in counter:
-            t = time.perf_counter()
-            await send(i)
-            latencies.append(time.perf_counter() - t)
-
-    start = time.perf_counter()
-    await asyncio.gather(*[client() for _ in range(concurrency)])
-    return time.perf_counter() - start, latencies
 
 
 def measure(args, side: str) -> dict[int, list[tuple[float, float]]]:

@@ -53,10 +53,16 @@ def three_stage(tiny_qwen2, dit_folder, tmp_path_factory):
 
 
 def test_three_stages_equal_the_steps_by_hand(three_stage, vllm_llm, dit_folder):
-    from diffusers import DiffusionPipeline
-
     outs = three_stage.generate(PROMPTS)
     assert sorted(o.stage for o in outs) == sorted(["second", "dit"] * len(PROMPTS))
+    assert_equals_steps_by_hand(outs, vllm_llm, dit_folder)
+
+
+def assert_equals_steps_by_hand(outs, vllm_llm, dit_folder) -> None:
+    """Texts equal the two vLLM generations run by hand, images diffusers' for both texts
+    (also where the stages ran on a Ray cluster, tests/test_ray_cluster.py)."""
+    from diffusers import DiffusionPipeline
+
     first = vllm_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6,
                                                       ignore_eos=True))
     second = vllm_llm.generate([r.outputs[0].text for r in first],

@@ -12,11 +12,9 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
-import torch
 from conftest import MAX_MODEL_LEN, pipeline_llm
-from vllm import SamplingParams
+from test_pipeline_dit import assert_equals_steps_by_hand
 
 from vllm_omni.errors import StageError
 from vllm_omni.outputs import OmniRequestOutput
@@ -105,7 +103,6 @@ def node_of_resource() -> dict[str, str]:
 
 
 def test_pinned_stages_equal_the_one_host_run(on_ray, vllm_llm, dit_folder):
-    from diffusers import DiffusionPipeline
 
     outs = on_ray.generate(PROMPTS)
     # Each stage ran on the node offering its resource, as Ray reports it.
@@ -113,20 +110,7 @@ def test_pinned_stages_equal_the_one_host_run(on_ray, vllm_llm, dit_folder):
     owners = node_of_resource()
     assert where == {"first": owners["node_a"], "second": owners["node_b"],
                      "dit": owners["node_c"]}
-    first = vllm_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6,
-                                                      ignore_eos=True))
-    second = vllm_llm.generate([r.outputs[0].text for r in first],
-                               SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    pipe = DiffusionPipeline.from_pretrained(dit_folder)
-    pipe.set_progress_bar_config(disable=True)
-    texts = [o.text for o in outs if o.stage == "second"]
-    images = [o.tensors["images"][0].numpy() for o in outs if o.stage == "dit"]
-    for text, image, ref1, ref2 in zip(texts, images, first, second, strict=True):
-        assert text == ref2.outputs[0].text
-        joined = ref1.outputs[0].text + "\n\n" + ref2.outputs[0].text
-        want = pipe(joined, height=64, width=64, num_inference_steps=3,
-                    generator=torch.Generator().manual_seed(9), output_type="np").images[0]
-        np.testing.assert_allclose(image, want, atol=1e-4, rtol=0)
+    assert_equals_steps_by_hand(outs, vllm_llm, dit_folder)
     # The DiT's tensor input came from the first stage's node through the object store.
     received = on_ray._run(on_ray.engine.stages["dit"].received())
     assert [r["from_node"] for r in received] == [owners["node_a"]] * len(PROMPTS)
