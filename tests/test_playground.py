@@ -64,7 +64,7 @@ def test_tabs_follow_the_pipeline_and_the_keyboard(page):
     page.get_by_role("tab", name="Chat").focus()
     page.keyboard.press("ArrowRight")
     assert page.get_by_role("tab", name="Images").get_attribute("aria-selected") == "true"
-    assert page.get_by_label("Prompt").is_visible()
+    assert page.get_by_label("Prompt", exact=True).is_visible()
     assert not page.get_by_label("Message").is_visible()
 
 
@@ -83,9 +83,9 @@ def test_chat_streams_text(page):
 
 def test_an_image_of_a_seven_lands_in_the_gallery(page, demo):
     page.get_by_role("tab", name="Images").click()
-    page.get_by_label("Prompt").fill("a handwritten digit seven")
-    page.get_by_label("Seed").fill("7")
-    page.get_by_label("Steps").fill("8")
+    page.get_by_label("Prompt", exact=True).fill("a handwritten digit seven")
+    page.get_by_label("Seed", exact=True).fill("7")
+    page.get_by_label("Steps", exact=True).fill("8")
     page.get_by_role("button", name="Generate").click()
     image = page.locator("#gallery figure img").first
     image.wait_for()
@@ -113,7 +113,7 @@ def test_an_image_of_a_seven_lands_in_the_gallery(page, demo):
 
 def test_a_bad_parameter_shows_the_servers_error(page, demo):
     page.get_by_role("tab", name="Images").click()
-    page.get_by_label("Steps").fill("0")
+    page.get_by_label("Steps", exact=True).fill("0")
     page.get_by_role("button", name="Generate").click()
     error = page.get_by_role("alert")
     error.wait_for()
