@@ -178,6 +178,8 @@ def test_a_mix_of_40_clients_is_all_answered_and_leaves_nothing(demo_under_load)
     after = server_state(srv.proc.pid)
     assert httpx.get(srv.url + "/health").status_code == 200
     assert after["processes"] == before["processes"]
-    assert after["segments"] == [] and before["segments"] == []
+    # /dev/shm is the machine's: segments another test left before this one are not the
+    # load's doing.
+    assert after["segments"] == before["segments"], (before["segments"], after["segments"])
     assert after["rss"] < before["rss"] * 1.25, (before["rss"], after["rss"])
     assert metric(srv, "vllm_omni:requests_in_flight", None) == 0
