@@ -60,9 +60,6 @@ class WanAdapter(StepAdapter):
         shift, scale = (block.scale_shift_table + temb.float()).chunk(6, dim=1)[:2]
         return block.norm1(hidden.float()) * (1 + scale) + shift
 
-    def default_area(self) -> int:
-        return self.defaults["height"] * self.defaults["width"]
-
     def sigmas(self, steps: int):
         return None  # as the pipeline: the scheduler spaces its own timesteps
 
