@@ -62,6 +62,14 @@ def stream_until_fault(srv, fault) -> list[dict]:
     return events
 
 
+def stream_error(srv, events: list[dict]) -> dict:
+    """The error event a stream ended with (the stage's engine was made to fail)."""
+    assert events and "error" in events[-1], (
+        f"the stream ended without an error; its last events: {events[-3:]}\n"
+        + srv.log_path.read_text()[-3000:])
+    return events[-1]["error"]
+
+
 def check_recovered(srv, old: list[psutil.Process]) -> None:
     wait_health(srv, 503, 30)
     wait_health(srv, 200, 240)
@@ -74,7 +82,7 @@ def check_recovered(srv, old: list[psutil.Process]) -> None:
 def test_a_dead_engine_is_restarted(supervised):
     (core,) = engine_cores(supervised)
     events = stream_until_fault(supervised, lambda: os.kill(core.pid, signal.SIGKILL))
-    error = events[-1]["error"]
+    error = stream_error(supervised, events)
     assert error["code"] == 503 and "stage 'llm'" in error["message"]
     check_recovered(supervised, [core])
 
@@ -84,7 +92,7 @@ def test_a_hung_engine_is_detected_and_restarted(supervised):
     (core,) = engine_cores(supervised)
     start = time.monotonic()
     events = stream_until_fault(supervised, lambda: os.kill(core.pid, signal.SIGSTOP))
-    error = events[-1]["error"]
+    error = stream_error(supervised, events)
     # Found by the watchdog (not answering for HANG_TIMEOUT), then killed: the stream ends.
     assert error["code"] == 503 and "stage 'llm'" in error["message"]
     assert time.monotonic() - start < HANG_TIMEOUT + 60
