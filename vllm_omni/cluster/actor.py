@@ -46,19 +46,20 @@ class StageHost:
         """The payloads this stage fetched from other nodes: producer node, bytes."""
         return list(getattr(self, "_received", []))
 
-    def _localize(self, request_id: str, value: Any) -> Any:
+    async def _localize(self, request_id: str, value: Any) -> Any:
         """`value` with object-store payloads moved into this node's shared memory (freed
         when the request ends here, whether or not the stage read them)."""
         if isinstance(value, ObjectStoreHandle):
             self.__dict__.setdefault("_received", []).append(
                 {"from_node": value.node, "nbytes": value.nbytes})
-            local = SharedMemoryConnector().put(ObjectStoreConnector().get(value))
+            tensors = await ObjectStoreConnector().get_async(value)
+            local = SharedMemoryConnector().put(tensors)
             self.__dict__.setdefault("_localized", {}).setdefault(request_id, []).append(local)
             return local
         if isinstance(value, dict):
-            return {k: self._localize(request_id, v) for k, v in value.items()}
+            return {k: await self._localize(request_id, v) for k, v in value.items()}
         if isinstance(value, list | tuple):
-            return type(value)(self._localize(request_id, v) for v in value)
+            return type(value)([await self._localize(request_id, v) for v in value])
         return value
 
     async def generate(
@@ -72,7 +73,8 @@ class StageHost:
         export_payloads: bool = False,
     ) -> AsyncIterator[OmniRequestOutput]:
         try:
-            outputs = super().generate(request_id, self._localize(request_id, prompt), params,
+            prompt = await self._localize(request_id, prompt)
+            outputs = super().generate(request_id, prompt, params,
                                        input_complete=input_complete,
                                        keep_hidden_states=keep_hidden_states)
             async for out in outputs:
@@ -84,7 +86,7 @@ class StageHost:
                 SharedMemoryConnector().discard(handle)
 
     async def add_input(self, request_id: str, prompt: Any, complete: bool) -> None:
-        await super().add_input(request_id, self._localize(request_id, prompt), complete)
+        await super().add_input(request_id, await self._localize(request_id, prompt), complete)
 
     async def lifeline(self) -> str:
         while not self.errored:

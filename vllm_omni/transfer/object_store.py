@@ -46,15 +46,28 @@ class ObjectStoreConnector:
 
         stored = ray.get(handle.ref)
         handle.ref = None  # read once, as every connector's payload
-        out = {}
-        for name, (dtype, shape, raw) in stored.items():
-            if raw is None:
-                out[name] = torch.empty(shape, dtype=getattr(torch, dtype))
-                continue
-            # The array maps the object store (read-only, freed with the reference): copy.
-            flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-            out[name] = flat.view(getattr(torch, dtype)).reshape(shape)
-        return out
+        return _tensors(stored)
+
+    async def get_async(self, handle: ObjectStoreHandle) -> dict[str, torch.Tensor]:
+        """`get` for an async actor: awaiting the reference lets the actor's event loop
+        serve its other requests (streamed outputs, inputs) while Ray pulls the object
+        from the producer's node; a blocking `ray.get` there would stall them all."""
+        stored = await handle.ref
+        handle.ref = None
+        return _tensors(stored)
 
     def discard(self, handle: ObjectStoreHandle) -> None:
         handle.ref = None
+
+
+def _tensors(stored: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of a stored payload, copied out of the object store."""
+    out = {}
+    for name, (dtype, shape, raw) in stored.items():
+        if raw is None:
+            out[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+            continue
+        # The array maps the object store (read-only, freed with the reference): copy.
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        out[name] = flat.view(getattr(torch, dtype)).reshape(shape)
+    return out
