@@ -1,8 +1,9 @@
 """Stages on a real three-node Ray cluster on this machine (`ray.cluster_utils.Cluster`:
-three raylets, each with its own object store, distinct custom resources): the LLM -> LLM
--> DiT pipeline with each stage pinned to its own node gives the one-host answers, its
-payload crosses nodes through the object store, a killed node fails its stage's requests
-naming it, and nothing of ours is left on the cluster after shutdown."""
+three raylets, each with its own object store, distinct custom resources): Qwen2.5-Omni's
+thinker, talker and code2wav, and an LLM -> LLM -> DiT pipeline, each stage pinned to its
+own node, give the one-host answers (streamed speech still streams), their payloads cross
+nodes through the object store, a killed node fails its stage's requests naming it, and
+nothing of ours is left on the cluster after shutdown."""
 
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+import yaml
 from conftest import MAX_MODEL_LEN, pipeline_llm
 from test_pipeline_dit import assert_equals_steps_by_hand
+from vllm import SamplingParams
 
+from vllm_omni.config.loader import BUILTIN_DIR
 from vllm_omni.errors import StageError
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.processors import joined_text
@@ -100,6 +105,107 @@ def node_of_resource() -> dict[str, str]:
 
     return {name: n["NodeID"] for n in ray.nodes() if n["Alive"]
             for name in NODES if name in n["Resources"]}
+
+
+OMNI_NODES = {"thinker": "node_a", "talker": "node_b", "code2wav": "node_c"}
+OMNI_PROMPTS = ["Tell me a story about a red fox.", "Sing."]
+OMNI_SEED = 1234
+
+
+def omni_on_three_nodes() -> str:
+    """The built-in Qwen2.5-Omni pipeline, each stage pinned to its own node."""
+    pipeline = yaml.safe_load((BUILTIN_DIR / "qwen2_5_omni.yaml").read_text())
+    pipeline["name"] = "qwen2_5_omni-on-ray"
+    for stage in pipeline["stages"]:
+        stage["placement"] = {"resources": {OMNI_NODES[stage["name"]]: 1}}
+    return yaml.safe_dump(pipeline)
+
+
+def omni_params(talker_tokens: int, **code2wav) -> list:
+    # The talker runs to its token cap (a random talker may say eos at any point).
+    return [SamplingParams(temperature=0, max_tokens=8),
+            {"temperature": 0, "max_tokens": talker_tokens, "stop_token_ids": []},
+            {"seed": OMNI_SEED, **code2wav}]
+
+
+def speak(llm, prompts: list[str]) -> dict:
+    """What the tests compare: per prompt the thinker's tokens, the talker's codes and the
+    waveform decoded whole; and one prompt streamed, as the caller got it."""
+    outs = llm.generate(prompts, omni_params(24), modalities=["text", "audio"],
+                        use_tqdm=False)
+    by_stage = {s: [o for o in outs if o.stage == s] for s in ("thinker", "code2wav")}
+
+    async def streamed() -> list:
+        params = llm.engine.sampling_params_list(omni_params(96, stream=True))
+        return [out async for out in llm.engine.generate(prompts[0], params, "streamed",
+                                                         ["text", "audio"])
+                if out.stage == "code2wav"]
+
+    return {"tokens": [o.token_ids for o in by_stage["thinker"]],
+            "codes": [o.tensors["codes"].tolist() for o in by_stage["code2wav"]],
+            "waveforms": [o.audio.waveform for o in by_stage["code2wav"]],
+            "chunks": llm._run(streamed())}
+
+
+def group_nodes(stages: dict) -> dict[str, str]:
+    """Ray's own record (the GCS's placement group table) of the node each stage's placement
+    group, which holds its actor, was placed on."""
+    import ray
+
+    return {name: ray.util.placement_group_table(stage.group)["bundles_to_node_id"][0]
+            for name, stage in stages.items()}
+
+
+def test_omni_on_three_nodes_equals_one_host(cluster, tiny_omni, tmp_path):
+    """Thinker, talker and code2wav each on its own node: the thinker's hidden states reach
+    the talker through the object store, the talker's codes stream to code2wav across nodes,
+    and the caller gets the one-host run's text, codes and waveforms, streamed audio in
+    several chunks. First in the module, so the LLM pipeline of the tests below is not
+    holding the nodes' CPUs yet."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_omni)
+    prompts = [processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": p}]}],
+        add_generation_prompt=True, tokenize=False) for p in OMNI_PROMPTS]
+    kwargs = {"dtype": "float32", "max_model_len": 1024}
+    with pipeline_llm(tiny_omni, omni_on_three_nodes(), tmp_path, **kwargs) as one_host:
+        assert one_host.engine.launcher is None  # placement resources mean nothing here
+        here = speak(one_host, prompts)
+    with pipeline_llm(tiny_omni, omni_on_three_nodes(), tmp_path,
+                      ray_address=cluster[0].address, stage_restarts=0, **kwargs) as on_ray:
+        stages = on_ray.engine.stages
+        owners = node_of_resource()
+        asked = {name: owners[node] for name, node in OMNI_NODES.items()}
+        assert len(set(asked.values())) == 3
+        assert group_nodes(stages) == asked  # where Ray placed each stage's group
+        assert {name: stage.node for name, stage in stages.items()} == asked  # the actors
+        there = speak(on_ray, prompts)
+        received = on_ray._run(stages["talker"].received())
+    # Every request's thinker states came to the talker from the thinker's node.
+    assert [r["from_node"] for r in received] == [asked["thinker"]] * (len(prompts) + 1)
+    assert all(r["nbytes"] > 0 for r in received)
+
+    # Same stages, same CPU, same threads per stage: the runs measured bit-identical here
+    # (max |difference| 0.0, peaks ~0.15). The tolerance leaves room only for float
+    # reassociation should a stage's thread count differ between an actor and this process;
+    # a wrong code, seed, voice or chunking moves samples by 1e-3 and more.
+    assert there["tokens"] == here["tokens"] and all(here["tokens"])
+    assert there["codes"] == here["codes"]
+    for got, want in zip(there["waveforms"], here["waveforms"], strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+    chunks, want = there["chunks"], here["chunks"]
+    whole = chunks[-1].audio.waveform
+    assert len(chunks) > 1 and [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    # Audio began before the talker's last code reached code2wav: the edge streamed.
+    assert not chunks[0].metrics["input_complete"]
+    pieces = [c.audio.waveform[c.metrics["samples"] - c.metrics["new_samples"]:] for c in chunks]
+    assert all(len(p) for p in pieces)
+    np.testing.assert_array_equal(np.concatenate(pieces), whole)
+    assert [c.metrics["samples"] for c in chunks] == [c.metrics["samples"] for c in want]
+    assert chunks[-1].tensors["codes"].tolist() == want[-1].tensors["codes"].tolist()
+    np.testing.assert_allclose(whole, want[-1].audio.waveform, atol=1e-6, rtol=0)
 
 
 def test_pinned_stages_equal_the_one_host_run(on_ray, vllm_llm, dit_folder):
