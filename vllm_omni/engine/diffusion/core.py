@@ -194,7 +194,9 @@ class DiffusionCore(CoreBase):
                 conditioning = [self.adapter.conditioning_from_states(
                     self.connector.get(c["states"]), c["length"]) for c in given_states]
             self.adapter.check_inputs(msg.images)
-            given = DiffusionParams.parse(msg.params).merged(self.defaults)
+            # The request's, then the stage's settings, then what its input image implies.
+            given = DiffusionParams.parse(msg.params).merged(self.defaults).merged(
+                self.adapter.input_defaults(msg.images))
             resolved = self.adapter.resolve(given)
             self.adapter.check_conditioning(conditioning, resolved)
             if (self.max_image_pixels and resolved.height and resolved.width
