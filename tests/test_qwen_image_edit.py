@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
 import functools
 import io
 import os
@@ -78,18 +77,16 @@ def folder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server_start(folder, tmp_path_factory):
-    """The server starts beside the offline engine; the HTTP tests wait for it."""
-    log = tmp_path_factory.mktemp("log") / "qie-server.log"
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(ServerProcess, [str(folder)], log)
-        yield future
-        if future.exception() is None:
-            assert future.result().stop(), "processes of the server were still alive"
+def server(folder, tmp_path_factory):
+    # fp32, as the reference (vLLM would run the fp32 encoder in bf16 on a CPU).
+    srv = ServerProcess([str(folder), "--dtype", "float32"],
+                        tmp_path_factory.mktemp("log") / "qie-server.log", timeout=600)
+    yield srv
+    assert srv.stop(), "processes of the server were still alive after SIGTERM"
 
 
 @pytest.fixture(scope="module")
-def two_stage(folder, server_start):
+def two_stage(folder):
     from vllm_omni import OmniLLM
 
     # fp32 on both stages (vLLM would run an fp32 checkpoint in bf16 on a CPU).
@@ -268,8 +265,8 @@ def huge_png_header(width: int, height: int) -> bytes:
             + chunk(b"IEND", b""))
 
 
-def test_images_edit_through_the_server(server_start, folder):
-    srv = server_start.result()
+def test_images_edit_through_the_server(server, folder):
+    srv = server
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
     # No size: the input image's, resized as the pipeline resizes it (1248x832 here).
     r = client.images.edit(image=("in.png", png(WIDE), "image/png"), prompt="make it blue",
@@ -296,16 +293,16 @@ def test_images_edit_through_the_server(server_start, folder):
     ({"image": ("a.png", b"not an image")}, "not a readable image"),
     ({"image": ("a.png", huge_png_header(20000, 20000))}, "image too large"),
 ])
-def test_bad_edits_are_400(server_start, files, words):
-    srv = server_start.result()
+def test_bad_edits_are_400(server, files, words):
+    srv = server
     r = httpx.post(srv.url + "/v1/images/edits", data={"prompt": "x"}, files=files or None,
                    timeout=60)
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
 
 
-def test_generating_without_an_image_is_400(server_start):
-    srv = server_start.result()
+def test_generating_without_an_image_is_400(server):
+    srv = server
     r = httpx.post(srv.url + "/v1/images/generations", json={"prompt": "a cat"}, timeout=60)
     assert r.status_code == 400, r.text
     assert "edits one input image" in r.json()["error"]["message"]
