@@ -77,22 +77,42 @@ def folder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(folder, tmp_path_factory):
-    # fp32, as the reference (vLLM would run the fp32 encoder in bf16 on a CPU).
-    srv = ServerProcess([str(folder), "--dtype", "float32"],
-                        tmp_path_factory.mktemp("log") / "qie-server.log", timeout=600)
-    yield srv
-    assert srv.stop(), "processes of the server were still alive after SIGTERM"
+def engines():
+    """The module's running engines, one at a time: the offline pipeline and the server each
+    hold both stages, and two of those do not fit a small CPU machine's memory plan."""
+    held: dict = {}
+    yield held
+    stop_all(held)
 
 
-@pytest.fixture(scope="module")
-def two_stage(folder):
+def stop_all(held: dict) -> None:
+    if "offline" in held:
+        held.pop("offline").shutdown()
+    if "server" in held:
+        assert held.pop("server").stop(), "processes of the server were still alive"
+
+
+@pytest.fixture
+def two_stage(engines, folder):
     from vllm_omni import OmniLLM
 
-    # fp32 on both stages (vLLM would run an fp32 checkpoint in bf16 on a CPU).
-    llm = OmniLLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 28)
-    yield llm
-    llm.shutdown()
+    if "offline" not in engines:
+        stop_all(engines)
+        # fp32 on both stages (vLLM would run an fp32 checkpoint in bf16 on a CPU).
+        engines["offline"] = OmniLLM(str(folder), dtype="float32",
+                                     kv_cache_memory_bytes=1 << 28)
+    return engines["offline"]
+
+
+@pytest.fixture
+def server(engines, folder, tmp_path_factory):
+    if "server" not in engines:
+        stop_all(engines)
+        # fp32, as the reference (vLLM would run the fp32 encoder in bf16 on a CPU).
+        engines["server"] = ServerProcess([str(folder), "--dtype", "float32"],
+                                          tmp_path_factory.mktemp("log") / "qie-server.log",
+                                          timeout=600)
+    return engines["server"]
 
 
 def hf_encoder_with_token_types(text_encoder) -> None:
