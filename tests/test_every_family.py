@@ -19,9 +19,11 @@ from vllm_omni.testing.tiny_models import make_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-# The image-to-image model needs an input image: tests/test_images_server.py edits with it.
+# The image-to-image models need an input image: tests/test_images_server.py and
+# tests/test_qwen_image_edit.py edit with them.
 TEXT_TO_IMAGE = [m for m in DIFFUSERS_MODELS
-                 if m not in ("sd3-img2img-tiny", "wan-tiny", "wan-i2v-tiny")]
+                 if m not in ("sd3-img2img-tiny", "qwen-image-edit-tiny", "wan-tiny",
+                              "wan-i2v-tiny")]
 REQUEST = {"prompt": "a red cat", "size": "64x64", "seed": 3, "num_inference_steps": 2}
 
 

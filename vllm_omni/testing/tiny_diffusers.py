@@ -1,5 +1,5 @@
-"""Tiny diffusers pipelines (Flux, SD3, Qwen-Image, PixArt-Sigma, Sana, Wan) with random
-weights.
+"""Tiny diffusers pipelines (Flux, SD3, Qwen-Image and Qwen-Image-Edit, PixArt-Sigma, Sana,
+Wan) with random weights.
 
 Built from the real component classes, saved with `save_pretrained`, and loaded back through
 `DiffusionPipeline.from_pretrained` like a downloaded model. Tokenizers are character-level
@@ -35,14 +35,15 @@ def _t5_tokenizer():
     return T5Tokenizer(vocab=[(p, -1.0) for p in pieces], extra_ids=0)
 
 
-def _qwen_tokenizer():
+def _qwen_tokenizer(extra_special: list[str] = ()):
     from tokenizers import pre_tokenizers
     from transformers import Qwen2Tokenizer
 
     pieces = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {p: i for i, p in enumerate(pieces)}
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=1024)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *extra_special]})
     return tok
 
 
@@ -191,11 +192,13 @@ def build_sd3():
     )
 
 
-def build_qwen_image():
+def build_qwen_image(tokenizer=None, vision_token_ids: dict[str, int] | None = None, vae=None):
+    """Qwen-Image; `vision_token_ids` (image_token_id, ...) for a tokenizer that has the
+    vision placeholders (the edit model's)."""
     from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    tokenizer = _qwen_tokenizer()
+    tokenizer = tokenizer or _qwen_tokenizer()
     # Head dim 32: the smallest vLLM's CPU attention takes (the encoder runs on vLLM too).
     text_config = {
         "vocab_size": len(tokenizer),
@@ -217,6 +220,7 @@ def build_qwen_image():
             vision_config=vision_config,
             bos_token_id=None,
             eos_token_id=text_config["eos_token_id"],
+            **(vision_token_ids or {}),
         )
     )
     transformer = QwenImageTransformer2DModel(
@@ -229,7 +233,7 @@ def build_qwen_image():
         joint_attention_dim=64,
         axes_dims_rope=(4, 6, 6),
     )
-    vae = AutoencoderKLQwenImage(
+    vae = vae or AutoencoderKLQwenImage(
         base_dim=8,
         z_dim=4,
         dim_mult=[1, 1, 1, 1],
@@ -245,6 +249,65 @@ def build_qwen_image():
         tokenizer=tokenizer,
         transformer=transformer,
     )
+
+
+# Qwen-Image-Edit's vision placeholders (the names of the released tokenizer): its prompt
+# template holds one image in <|vision_start|><|image_pad|><|vision_end|>.
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# A few hundred image pixels per placeholder: the edit pipeline hands the encoder an image
+# of a 1024 x 1024 area, which the processor shrinks to at most this many pixels, so the
+# tiny vision tower sees a dozen or so merged patches.
+QWEN_EDIT_MAX_PIXELS = 28 * 28 * 16
+
+
+def build_qwen_image_edit():
+    """Qwen-Image-Edit (QwenImageEditPipeline): Qwen-Image's parts with a text encoder whose
+    vision tower sees the input image (through the folder's Qwen2-VL processor), and a
+    transformer that takes the image's latents beside the noise."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline
+    from transformers import Qwen2VLProcessor
+
+    from vllm_omni.compat.torchvision_free import install
+
+    # Without torchvision, transformers has no Qwen2-VL video processor, which the
+    # processor always holds (the released folder has its config too): the compat one.
+    install()
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    tokenizer = _qwen_tokenizer(QWEN_VL_TOKENS)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_TOKENS}
+    # The pipeline VAE-encodes the input image at a 1024 x 1024 area whatever the output
+    # size: half the channels and no residual blocks keep that to about a second on a CPU.
+    vae = AutoencoderKLQwenImage(
+        base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=0,
+        temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+    )
+    parts = build_qwen_image(tokenizer, {
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }, vae=vae).components
+    # With its default init the tiny transformer attends almost uniformly over the thousands
+    # of image tokens, so its prediction hardly depends on the input image (changes of 1e-3
+    # in the latents, 1e-6 in pixels): a parity test would compare nothing. Sharper
+    # attention (the query / key RMS-norm scales x4) makes it move by 0.1.
+    with torch.no_grad():
+        for name, param in parts["transformer"].named_parameters():
+            if name.rsplit(".", 2)[-2] in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+                param.mul_(4.0)
+    # The PIL backend: torchvision is needed neither to build nor to load it.
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 56 * 56, "longest_edge": QWEN_EDIT_MAX_PIXELS},
+        patch_size=14, temporal_patch_size=2, merge_size=2,
+    )
+    video_processor = Qwen2VLVideoProcessor(
+        size={"shortest_edge": 56 * 56, "longest_edge": QWEN_EDIT_MAX_PIXELS})
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                 video_processor=video_processor)
+    return QwenImageEditPipeline(**parts, processor=processor)
 
 
 def build_pixart_sigma():
@@ -372,6 +435,8 @@ def build_diffusers(name: str, out_dir: Path, seed: int, dtype: str) -> None:
         pipe = StableDiffusion3Img2ImgPipeline(**build_sd3().components)
     elif name == "qwen-image-tiny":
         pipe = build_qwen_image()
+    elif name == "qwen-image-edit-tiny":
+        pipe = build_qwen_image_edit()
     elif name == "pixart-sigma-tiny":
         pipe = build_pixart_sigma()
     elif name == "sana-tiny":
@@ -388,4 +453,5 @@ def build_diffusers(name: str, out_dir: Path, seed: int, dtype: str) -> None:
 
 
 DIFFUSERS_MODELS = [*FLUX_SIZES, "sd3-tiny", "sd3-img2img-tiny", "qwen-image-tiny",
-                    "pixart-sigma-tiny", "sana-tiny", "wan-tiny", "wan-i2v-tiny"]
+                    "qwen-image-edit-tiny", "pixart-sigma-tiny", "sana-tiny", "wan-tiny",
+                    "wan-i2v-tiny"]

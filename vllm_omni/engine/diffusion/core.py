@@ -194,7 +194,9 @@ class DiffusionCore(CoreBase):
                 conditioning = [self.adapter.conditioning_from_states(
                     self.connector.get(c["states"]), c["length"]) for c in given_states]
             self.adapter.check_inputs(msg.images)
-            given = DiffusionParams.parse(msg.params).merged(self.defaults)
+            # The request's, then the stage's settings, then what its input image implies.
+            given = DiffusionParams.parse(msg.params).merged(self.defaults).merged(
+                self.adapter.input_defaults(msg.images))
             resolved = self.adapter.resolve(given)
             self.adapter.check_conditioning(conditioning, resolved)
             if (self.max_image_pixels and resolved.height and resolved.width
@@ -262,10 +264,11 @@ class DiffusionCore(CoreBase):
             self.finish(group)
 
     def finish(self, group: list[DiffusionRequest]) -> None:
-        latent_only = group[0].params.output == "latent"
+        # A group shares a batch key, not the output: requests for latents skip the VAE.
+        to_decode = [r for r in group if r.params.output != "latent"]
         try:
-            if not latent_only:
-                self.adapter.decode(group)
+            if to_decode:
+                self.adapter.decode(to_decode)
         except Exception as e:
             self.fail([r.request_id for r in group], e, "internal")
             return
@@ -276,5 +279,6 @@ class DiffusionCore(CoreBase):
                 num_steps=r.num_steps, images=r.images, cache=r.cache_stats(),
                 comm_seconds=r.extras.get("comm"),
                 video=r.video, fps=r.params.fps if r.video is not None else None,
-                handle=self.connector.put({"latents": r.latents}) if latent_only else None,
+                handle=(self.connector.put({"latents": r.latents})
+                        if r.params.output == "latent" else None),
             ))

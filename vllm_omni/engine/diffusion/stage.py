@@ -224,5 +224,8 @@ class DiffusionStage(EngineStage):
                     result.tensors = {"images": torch.from_numpy(np.stack(images))}
                 if out.handle is not None:  # resolved only where a caller receives them
                     result.tensor_handles = {"latents": out.handle}
+                    # Latents asked of an image stage: the caller gets them (the
+                    # orchestrator reads tensor outputs out of shared memory for it).
+                    result.output_type = "latent"
                 IMAGES.labels(self.name).inc(params.num_images)
             yield result

@@ -22,8 +22,18 @@ def encode_image(image: Image.Image, fmt: str, compression: int | None = None) -
 
 
 def decode_image(data: bytes, field: str) -> Image.Image:
+    """An uploaded image as RGB; a 400 naming `field` for bytes that are no image or an
+    image of more pixels than PIL decodes without suspecting a decompression bomb (a small
+    file can declare a huge image, which would take gigabytes to decode)."""
     try:
-        return Image.open(io.BytesIO(data)).convert("RGB")
+        image = Image.open(io.BytesIO(data))  # reads the header only
+        if image.width * image.height > Image.MAX_IMAGE_PIXELS:
+            raise Image.DecompressionBombError(f"{image.width}x{image.height}")
+        return image.convert("RGB")
+    except Image.DecompressionBombError as e:
+        raise OmniHTTPError(HTTPStatus.BAD_REQUEST,
+                            f"{field}: image too large ({e}; at most {Image.MAX_IMAGE_PIXELS} "
+                            "pixels)", field) from None
     except (UnidentifiedImageError, OSError) as e:
         raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"{field}: not a readable image ({e})",
                             field) from None

@@ -9,6 +9,7 @@ import torch
 from vllm_omni.engine.diffusion.adapters.base import StepAdapter
 from vllm_omni.engine.diffusion.adapters.flux import FluxAdapter
 from vllm_omni.engine.diffusion.adapters.qwen_image import QwenImageAdapter
+from vllm_omni.engine.diffusion.adapters.qwen_image_edit import QwenImageEditAdapter
 from vllm_omni.engine.diffusion.adapters.sd3 import SD3Adapter
 from vllm_omni.engine.diffusion.adapters.wan import WanAdapter
 from vllm_omni.engine.diffusion.adapters.whole import WholeRequestAdapter
@@ -18,6 +19,7 @@ STEP_ADAPTERS: dict[str, type[StepAdapter]] = {
     "FluxPipeline": FluxAdapter,
     "StableDiffusion3Pipeline": SD3Adapter,
     "QwenImagePipeline": QwenImageAdapter,
+    "QwenImageEditPipeline": QwenImageEditAdapter,
     "WanPipeline": WanAdapter,
 }
 

@@ -178,6 +178,10 @@ class StepAdapter:
                 f"{type(self.pipe).__name__} generates from text only; it takes no input image"
             )
 
+    def input_defaults(self, images: list) -> dict[str, Any]:
+        """Settings a request's input images imply where it gives none (an edit's size)."""
+        return {}
+
     def conditioning_from_states(self, tensors: dict[str, torch.Tensor],
                                  length: int) -> dict[str, torch.Tensor]:
         """Conditioning from an upstream text encoder's hidden states (`length` prompt

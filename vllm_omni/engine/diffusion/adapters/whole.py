@@ -84,6 +84,9 @@ class WholeRequestAdapter:
     def release(self, request_id: str) -> None:
         """Nothing of a request outlives its call here."""
 
+    def input_defaults(self, images: list) -> dict[str, Any]:
+        return {}  # the pipeline call derives its own
+
     def conditioning_from_states(self, tensors: dict[str, torch.Tensor],
                                  length: int) -> dict[str, torch.Tensor]:
         raise ValueError(f"{type(self.pipe).__name__} runs whole requests: it takes no prompt "
