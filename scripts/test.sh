@@ -15,13 +15,8 @@ ruff check vllm_omni tests benchmarks scripts
 # Line coverage of vllm_omni over the whole suite, servers and engine processes included
 # (pyproject.toml's [tool.coverage]); the report and its total are printed at the end.
 python -m coverage erase
-# Two workers (one module each at a time: module fixtures start once), then the modules that
-# assert machine-wide state on their own. Exit status 5 is "no test of this part selected".
 status=0
-python -m coverage run -m pytest -v --durations=25 -n 2 --dist loadfile -m "not alone" "$@" \
-  || { rc=$?; [ "$rc" = 5 ] || status=$rc; }
-python -m coverage run -m pytest -v --durations=10 -m alone "$@" \
-  || { rc=$?; [ "$rc" = 5 ] || status=$rc; }
+python -m coverage run -m pytest -v --durations=25 "$@" || status=$?
 python -m coverage combine -q || true
 python -m coverage report || true
 echo "coverage of vllm_omni (every process of the suite): $(python -m coverage report --format=total)%"

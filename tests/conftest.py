@@ -109,7 +109,7 @@ class ServerProcess:
         self,
         args: list[str],
         log_path: Path,
-        timeout: float = 480,
+        timeout: float = 240,
         env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()

@@ -22,8 +22,7 @@ RNG = np.random.default_rng(0)
 IMAGE = Image.fromarray(RNG.integers(0, 256, (56, 84, 3), dtype=np.uint8))
 AUDIO = (0.1 * np.sin(np.arange(16000) * 2 * np.pi * 440 / 16000)).astype(np.float32)
 
-# alone: it checks that no `omni-*` segment outlives a request in /dev/shm.
-pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def chat_prompt(processor, text: str, media: tuple[str, ...] = ()) -> str:

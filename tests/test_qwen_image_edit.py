@@ -28,8 +28,7 @@ from PIL import Image
 from vllm_omni.config import resolve_pipeline
 from vllm_omni.testing.tiny_models import make_tiny
 
-# alone: it checks that no `omni-*` segment is left in /dev/shm.
-pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def picture(seed: int, width: int, height: int) -> Image.Image:

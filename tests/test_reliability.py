@@ -15,8 +15,7 @@ from conftest import ServerProcess
 
 from vllm_omni.testing.load import failures, run_mix, server_state, summary
 
-# alone: it compares /dev/shm before and after a server's life.
-pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 KEY = "limits-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -13,8 +13,7 @@ import psutil
 import pytest
 from conftest import ServerProcess
 
-# alone: a busy machine would delay the engine's answer to the hang watchdog.
-pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 HANG_TIMEOUT = 3
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
