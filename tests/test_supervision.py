@@ -48,7 +48,8 @@ def wait_health(srv, status: int, seconds: float) -> float:
 
 
 def stream_until_fault(srv, fault) -> list[dict]:
-    """A long streamed chat; `fault()` once its first token is in. Every event it got."""
+    """A long streamed chat; `fault()` at its first event (sent once the engine's first output
+    is in, the earliest moment the request is surely in flight). Every event it got."""
     body = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=120) as r:
@@ -57,7 +58,7 @@ def stream_until_fault(srv, fault) -> list[dict]:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             events.append(json.loads(line[6:]))
-            if len(events) == 2:
+            if len(events) == 1:
                 fault()
     return events
 
@@ -65,7 +66,7 @@ def stream_until_fault(srv, fault) -> list[dict]:
 def stream_error(srv, events: list[dict]) -> dict:
     """The error event a stream ended with (the stage's engine was made to fail)."""
     assert events and "error" in events[-1], (
-        f"the stream ended without an error; its last events: {events[-3:]}\n"
+        f"the stream ended without an error after {len(events)} events; the last: {events[-3:]}\n"
         + srv.log_path.read_text()[-3000:])
     return events[-1]["error"]
 
