@@ -196,6 +196,21 @@ def server(tiny_qwen2, tmp_path_factory):
     assert srv.stop(), "processes of the server were still alive after SIGTERM"
 
 
+DEMO_KEY = "demo-key"
+DEMO_AUTH = {"Authorization": f"Bearer {DEMO_KEY}"}
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory):
+    """The README's first command (`vllm serve --omni`, the built-in demo) with an API key and
+    a short context (so a fuzzed max_tokens cannot make one request take minutes). One server
+    for the modules that fuzz it, load it and drive its playground: each start is a minute."""
+    srv = ServerProcess(["--api-key", DEMO_KEY, "--max-model-len", "256"],
+                        tmp_path_factory.mktemp("demo") / "server.log")
+    yield srv
+    assert srv.stop(), "processes of the server were still alive after SIGTERM"
+
+
 CHROMIUM = "/usr/bin/chromium"  # Debian's package; scripts/test.sh installs it
 
 

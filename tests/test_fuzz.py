@@ -7,23 +7,11 @@ from __future__ import annotations
 import httpx
 import pytest
 import schemathesis
+from conftest import DEMO_AUTH
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
-from tests.conftest import ServerProcess
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
-
-# The demo pipeline (chat on a tiny Qwen2, images on the digits Flux) with a short context, so
-# that a generated max_tokens cannot make one example take minutes.
-FLAGS = ["--max-model-len", "256"]
-
-
-@pytest.fixture(scope="module")
-def fuzzed(tmp_path_factory):
-    srv = ServerProcess(FLAGS, tmp_path_factory.mktemp("fuzz") / "server.log")
-    yield srv
-    assert srv.stop(), "processes of the server were still alive after SIGTERM"
 
 
 # Every route of the API, as the schema lists it: a new route fails the first test below
@@ -49,8 +37,8 @@ EXAMPLES = 25  # per route and mode
 
 
 @pytest.fixture(scope="module")
-def api_schema(fuzzed):
-    return schemathesis.openapi.from_url(fuzzed.url + "/openapi.json")
+def api_schema(demo_server):
+    return schemathesis.openapi.from_url(demo_server.url + "/openapi.json", headers=DEMO_AUTH)
 
 
 def test_the_schema_lists_every_route(api_schema):
@@ -75,18 +63,18 @@ CASES = [(method, path, mode) for method, path in ROUTES
 
 
 @pytest.mark.parametrize("method, path, mode", CASES)
-def test_no_generated_request_is_a_server_error(fuzzed, api_schema, method, path, mode):
+def test_no_generated_request_is_a_server_error(demo_server, api_schema, method, path, mode):
     operation = api_schema[path][method]
 
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck), phases=[Phase.generate])
     def send(case):
-        response = case.call(timeout=120)
+        response = case.call(headers=DEMO_AUTH, timeout=120)
         where = f"{response.status_code}: {response.text[:400]}\n{case.as_curl_command()}"
         assert response.status_code < 500, where
         if response.status_code >= 400:
             assert_openai_error(response, where)
 
     send()
-    assert httpx.get(fuzzed.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(demo_server.url + "/health", timeout=10).status_code == 200

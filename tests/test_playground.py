@@ -8,27 +8,18 @@ import io
 
 import httpx
 import pytest
-from conftest import ServerProcess, screenshot
+from conftest import DEMO_AUTH, DEMO_KEY, screenshot
 from PIL import Image
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-KEY = "playground-key"
 
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    srv = ServerProcess(["--api-key", KEY], tmp_path_factory.mktemp("demo") / "server.log")
-    yield srv
-    assert srv.stop(), "processes of the server were still alive after SIGTERM"
-
-
-def open_page(browser, demo, width: int = 1100, height: int = 900):
+def open_page(browser, demo_server, width: int = 1100, height: int = 900):
     context = browser.new_context(viewport={"width": width, "height": height})
     page = context.new_page()
-    page.goto(demo.url + "/")
+    page.goto(demo_server.url + "/")
     # The key is asked for (the info route needs it) and sent from then on.
-    page.get_by_label("This server needs an API key").fill(KEY)
+    page.get_by_label("This server needs an API key").fill(DEMO_KEY)
     page.get_by_role("button", name="Connect").click()
     page.get_by_role("tab", name="Chat").wait_for()
     assert not page.get_by_label("This server needs an API key").is_visible()
@@ -36,24 +27,22 @@ def open_page(browser, demo, width: int = 1100, height: int = 900):
 
 
 @pytest.fixture
-def page(browser, demo):
-    context, page = open_page(browser, demo)
+def page(browser, demo_server):
+    context, page = open_page(browser, demo_server)
     yield page
     context.close()
 
 
-def api(demo, path: str, body: dict) -> httpx.Response:
-    return httpx.post(demo.url + path, json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {KEY}"})
+def api(demo_server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(demo_server.url + path, json=body, timeout=120, headers=DEMO_AUTH)
 
 
-def test_the_page_is_public_and_the_api_is_not(demo):
-    assert httpx.get(demo.url + "/").status_code == 200
-    assert "vLLM-omni" in httpx.get(demo.url + "/").text
-    assert httpx.get(demo.url + "/playground/app.js").status_code == 200
-    assert httpx.get(demo.url + "/v1/omni/info").status_code == 401
-    info = httpx.get(demo.url + "/v1/omni/info",
-                     headers={"Authorization": f"Bearer {KEY}"}).json()
+def test_the_page_is_public_and_the_api_is_not(demo_server):
+    assert httpx.get(demo_server.url + "/").status_code == 200
+    assert "vLLM-omni" in httpx.get(demo_server.url + "/").text
+    assert httpx.get(demo_server.url + "/playground/app.js").status_code == 200
+    assert httpx.get(demo_server.url + "/v1/omni/info").status_code == 401
+    info = httpx.get(demo_server.url + "/v1/omni/info", headers=DEMO_AUTH).json()
     assert info["outputs"] == ["image", "text"] and info["audio"] is None
     assert info["image"]["defaults"]["height"] == 32
 
@@ -81,7 +70,7 @@ def test_chat_streams_text(page):
     screenshot(page, "playground-chat")
 
 
-def test_an_image_of_a_seven_lands_in_the_gallery(page, demo):
+def test_an_image_of_a_seven_lands_in_the_gallery(page, demo_server):
     page.get_by_role("tab", name="Images").click()
     page.get_by_label("Prompt", exact=True).fill("a handwritten digit seven")
     page.get_by_label("Seed", exact=True).fill("7")
@@ -94,9 +83,9 @@ def test_an_image_of_a_seven_lands_in_the_gallery(page, demo):
     assert shown.size == (32, 32)
     assert page.evaluate("() => document.querySelector('#gallery img').naturalWidth") == 32
     # The same request through the API gives the same picture.
-    direct = api(demo, "/v1/images/generations", {"prompt": "a handwritten digit seven",
-                                                  "seed": 7, "num_inference_steps": 8,
-                                                  "size": "32x32"}).json()
+    direct = api(demo_server, "/v1/images/generations",
+                 {"prompt": "a handwritten digit seven", "seed": 7, "num_inference_steps": 8,
+                  "size": "32x32"}).json()
     assert direct["data"][0]["b64_json"] == src.partition(",")[2]
     caption = page.locator("#gallery figcaption").first.inner_text()
     assert "seed 7" in caption and "32x32" in caption
@@ -111,20 +100,20 @@ def test_an_image_of_a_seven_lands_in_the_gallery(page, demo):
     screenshot(page, "playground-pipeline")
 
 
-def test_a_bad_parameter_shows_the_servers_error(page, demo):
+def test_a_bad_parameter_shows_the_servers_error(page, demo_server):
     page.get_by_role("tab", name="Images").click()
     page.get_by_label("Steps", exact=True).fill("0")
     page.get_by_role("button", name="Generate").click()
     error = page.get_by_role("alert")
     error.wait_for()
-    want = api(demo, "/v1/images/generations", {"prompt": "a handwritten digit seven",
-                                                "num_inference_steps": 0, "size": "32x32"})
+    want = api(demo_server, "/v1/images/generations",
+               {"prompt": "a handwritten digit seven", "num_inference_steps": 0, "size": "32x32"})
     assert want.status_code == 400
     assert error.inner_text() == want.json()["error"]["message"]
 
 
-def test_phone_width(browser, demo):
-    context, page = open_page(browser, demo, 390, 844)
+def test_phone_width(browser, demo_server):
+    context, page = open_page(browser, demo_server, 390, 844)
     page.get_by_role("tab", name="Images").click()
     assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
     screenshot(page, "playground-phone")

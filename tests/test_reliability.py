@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from conftest import ServerProcess
+from conftest import DEMO_AUTH, DEMO_KEY, ServerProcess
 
 from vllm_omni.testing.load import failures, run_mix, server_state, summary
 
@@ -153,20 +153,13 @@ def test_every_route_but_health_needs_the_key(limited):
                      headers={"Authorization": "Bearer wrong"}).status_code == 401
 
 
-@pytest.fixture(scope="module")
-def demo_under_load(tmp_path_factory):
-    # No admission limit: refusals come back at once, so refused clients would draw most of
-    # the mix; the limit has its own test above.
-    srv = ServerProcess([], tmp_path_factory.mktemp("load") / "server.log")
-    yield srv
-    assert srv.stop(), "processes of the server were still alive after SIGTERM"
-
-
-def test_a_mix_of_40_clients_is_all_answered_and_leaves_nothing(demo_under_load):
-    srv = demo_under_load
+def test_a_mix_of_40_clients_is_all_answered_and_leaves_nothing(demo_server):
+    # The demo server has no admission limit: refusals would come back at once, so refused
+    # clients would draw most of the mix; the limit has its own test above.
+    srv = demo_server
     before = server_state(srv.proc.pid)
     outcomes = asyncio.run(run_mix(srv.url, clients=40, requests=160, hangup_share=0.2,
-                                   seed=1, timeout=180))
+                                   seed=1, timeout=180, api_key=DEMO_KEY))
     report = summary(outcomes)
     print(report)
     assert not failures(outcomes), failures(outcomes)[:5]
@@ -182,4 +175,4 @@ def test_a_mix_of_40_clients_is_all_answered_and_leaves_nothing(demo_under_load)
     # load's doing.
     assert after["segments"] == before["segments"], (before["segments"], after["segments"])
     assert after["rss"] < before["rss"] * 1.25, (before["rss"], after["rss"])
-    assert metric(srv, "vllm_omni:requests_in_flight", None) == 0
+    assert metric(srv, "vllm_omni:requests_in_flight", DEMO_AUTH) == 0

@@ -101,19 +101,40 @@ def test_engine_batches_videos_equal_to_diffusers(wan, reference):
     assert np.abs(skipping.video - results[0][0].video).max() > 1e-4  # it did skip work
 
 
-@pytest.mark.slow
-def test_image_to_video_runs_whole_requests_equal_to_diffusers(tmp_path):
-    """Wan 2.1 image-to-video (no step adapter yet) runs `pipeline(...)` per request and
-    returns a video; its frame count is checked like text-to-video's."""
+@pytest.fixture(scope="module")
+def wan_i2v(tmp_path_factory):
+    return make_tiny("wan-i2v-tiny", tmp_path_factory.mktemp("wan-i2v") / "wan-i2v-tiny")
+
+
+def input_image(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (32, 48, 3), np.uint8))
+
+
+@pytest.fixture(scope="module")
+def i2v_reference(wan_i2v):
     from diffusers import DiffusionPipeline
 
+    pipe = DiffusionPipeline.from_pretrained(wan_i2v)
+    pipe.set_progress_bar_config(disable=True)
+
+    def frames(image: Image.Image, prompt: str, seed: int, steps: int) -> np.ndarray:
+        return pipe(image=image, prompt=prompt, num_inference_steps=steps, output_type="np",
+                    generator=torch.Generator().manual_seed(seed), **SHAPE).frames[0]
+
+    return frames
+
+
+@pytest.mark.slow
+def test_image_to_video_runs_whole_requests_equal_to_diffusers(wan_i2v, i2v_reference):
+    """Wan 2.1 image-to-video (no step adapter yet) runs `pipeline(...)` per request and
+    returns a video; its frame count is checked like text-to-video's."""
     from vllm_omni.config.loader import resolve_pipeline
     from vllm_omni.engine.diffusion import AsyncDiffusionEngine
 
-    folder = make_tiny("wan-i2v-tiny", tmp_path / "wan-i2v")
-    assert resolve_pipeline(folder).name == "video"
-    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 48, 3), np.uint8))
-    engine = AsyncDiffusionEngine(str(folder))
+    assert resolve_pipeline(wan_i2v).name == "video"
+    image = input_image(0)
+    engine = AsyncDiffusionEngine(str(wan_i2v))
     try:
         assert engine.info["takes_images"] and engine.info["makes_video"]
         assert engine.info["frame_step"] == 4 and not engine.info["step_level"]
@@ -128,12 +149,36 @@ def test_image_to_video_runs_whole_requests_equal_to_diffusers(tmp_path):
             asyncio.run(i2v(num_frames=6))
     finally:
         engine.shutdown()
-    pipe = DiffusionPipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    want = pipe(image=image, prompt="a cat", num_inference_steps=3, output_type="np",
-                generator=torch.Generator().manual_seed(1), **SHAPE).frames[0]
+    want = i2v_reference(image, "a cat", seed=1, steps=3)
     assert out.fps == 16 and out.video.shape == (9, 32, 48, 3)
     np.testing.assert_allclose(out.video, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_image_to_video_over_the_videos_api(wan_i2v, i2v_reference, tmp_path):
+    """`input_reference`, uploaded as the openai client sends it, conditions an
+    image-to-video model's job: the video is diffusers' for that image and seed."""
+    srv = ServerProcess([str(wan_i2v), "--api-key", KEY], tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+        png = io.BytesIO()
+        input_image(0).save(png, format="PNG")  # lossless: the server decodes these pixels
+        video = client.videos.create_and_poll(
+            prompt="a cat", size="48x32", poll_interval_ms=100,
+            input_reference=("ref.png", png.getvalue(), "image/png"),
+            extra_body={"num_frames": 9, "num_inference_steps": 3, "seed": 1})
+        assert video.status == "completed", video.error
+        got = decode_mp4(client.videos.download_content(video.id).content)
+        thumb = client.videos.download_content(video.id, variant="thumbnail").content
+    finally:
+        assert srv.stop(), "processes of the server were still alive after SIGTERM"
+    want8 = np.round(i2v_reference(input_image(0), "a cat", seed=1, steps=3) * 255)
+    first = np.asarray(Image.open(io.BytesIO(thumb)), dtype=np.int16)
+    assert np.abs(first - want8[0]).max() <= 1  # 8-bit rounding of diffusers' first frame
+    assert got.shape == (9, 32, 48, 3) and psnr(got, want8) > 28  # H.264 is lossy
+    # Another input image makes another video: the upload is what conditioned this one.
+    other = np.round(i2v_reference(input_image(1), "a cat", seed=1, steps=3) * 255)
+    assert np.abs(first - other[0]).max() > 8
 
 
 # -- offline: OmniLLM returns frames (PIL and float) with a progress bar over steps --------
