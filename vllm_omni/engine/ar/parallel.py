@@ -50,7 +50,7 @@ def cpu_binding(stage: StageConfig, ranks: int) -> str | None:
     None where vLLM's own default is right: the user set the variable, or a single rank
     without `placement.cores` (vLLM then binds it to the NUMA node and keeps a core free
     for the engine core's scheduler loop)."""
-    if user_binding() is not None:
+    if user_value(BIND_ENV) is not None:
         return None
     if ranks == 1 and not (stage.placement and stage.placement.cores):
         return None
@@ -92,7 +92,7 @@ def parallel_problems(stage: StageConfig, model_config: Any, tp: int, pp: int,
             if foreign:
                 problems.append(f"stage {name}: placement.cores {foreign} are not among the "
                                 f"cores this process may use {sorted(allowed)}")
-        given = user_binding()
+        given = user_value(BIND_ENV)
         if given is not None and given not in ("auto", "nobind"):
             if len(given.split("|")) != ranks:
                 problems.append(f"stage {name}: {BIND_ENV}={given!r} names "
@@ -141,10 +141,10 @@ _held: dict[str, tuple[str | None, int]] = {}  # variable -> (value, holders)
 _saved: dict[str, str | None] = {}  # what the variables were before the first holder
 
 
-def user_binding() -> str | None:
-    """VLLM_CPU_OMP_THREADS_BIND as the user set it (not as a starting stage holds it)."""
+def user_value(key: str) -> str | None:
+    """An environment variable as the user set it (not as a starting stage holds it)."""
     with _lock:
-        return _saved[BIND_ENV] if BIND_ENV in _held else os.environ.get(BIND_ENV)
+        return _saved[key] if key in _held else os.environ.get(key)
 
 
 @contextlib.contextmanager

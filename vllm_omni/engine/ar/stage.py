@@ -27,6 +27,7 @@ from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.transfer.connectors import SharedMemoryConnector, ShmHandle
 
 _ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
+AOT_ENV = "VLLM_USE_AOT_COMPILE"
 
 
 def stage_engine_args(
@@ -161,7 +162,7 @@ class ARStage(EngineStage):
             kv_floor=per_rank_token * ranks * model.max_model_len,
             ranks=ranks, rank_devices=rank_devices,
             env={parallel.BIND_ENV: binding} if device == "cpu" and
-            parallel.user_binding() is None else {},
+            parallel.user_value(parallel.BIND_ENV) is None else {},
         )
 
     @classmethod
@@ -178,11 +179,16 @@ class ARStage(EngineStage):
                                         plan.engine_args if plan else None)
         if plan is not None:
             env = plan.env
-        elif current_platform.is_cpu() and parallel.user_binding() is None:
+        elif current_platform.is_cpu() and parallel.user_value(parallel.BIND_ENV) is None:
             env = {parallel.BIND_ENV: parallel.cpu_binding(
                 config, parallel.world_size(engine_args))}
         else:
             env = {}
+        if current_platform.is_cpu() and parallel.user_value(AOT_ENV) is None:
+            # vLLM 0.32 on CPU saves AOT-compiled models it cannot load again ('function'
+            # object has no attribute 'finalize_loading'), so every start compiled anew; its
+            # older compile cache loads, so a restarted stage skips compiling.
+            env = {**env, AOT_ENV: "0"}
         # The engine core process takes this environment when AsyncLLM spawns it.
         with parallel.engine_environment(env):
             self.engine = AsyncLLM.from_engine_args(engine_args,
