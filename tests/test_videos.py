@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import re
 import time
@@ -111,16 +112,22 @@ def input_image(seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 255, (32, 48, 3), np.uint8))
 
 
+I2V = {"prompt": "a cat", "seed": 1, "num_inference_steps": 3}
+
+
 @pytest.fixture(scope="module")
 def i2v_reference(wan_i2v):
+    """diffusers' video for `input_image(image_seed)` and the I2V request, made once each."""
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(wan_i2v)
     pipe.set_progress_bar_config(disable=True)
 
-    def frames(image: Image.Image, prompt: str, seed: int, steps: int) -> np.ndarray:
-        return pipe(image=image, prompt=prompt, num_inference_steps=steps, output_type="np",
-                    generator=torch.Generator().manual_seed(seed), **SHAPE).frames[0]
+    @functools.cache
+    def frames(image_seed: int) -> np.ndarray:
+        return pipe(image=input_image(image_seed), prompt=I2V["prompt"], output_type="np",
+                    num_inference_steps=I2V["num_inference_steps"],
+                    generator=torch.Generator().manual_seed(I2V["seed"]), **SHAPE).frames[0]
 
     return frames
 
@@ -140,16 +147,16 @@ def test_image_to_video_runs_whole_requests_equal_to_diffusers(wan_i2v, i2v_refe
         assert engine.info["frame_step"] == 4 and not engine.info["step_level"]
 
         async def i2v(**params):
-            outs = [o async for o in engine.generate("i2v", "a cat", {**SHAPE, **params},
-                                                     [image])]
+            outs = [o async for o in engine.generate("i2v", I2V["prompt"],
+                                                     {**SHAPE, **params}, [image])]
             return outs[-1]
 
-        out = asyncio.run(i2v(seed=1, num_inference_steps=3))
+        out = asyncio.run(i2v(seed=I2V["seed"], num_inference_steps=I2V["num_inference_steps"]))
         with pytest.raises(ValueError, match="4k\\+1"):
             asyncio.run(i2v(num_frames=6))
     finally:
         engine.shutdown()
-    want = i2v_reference(image, "a cat", seed=1, steps=3)
+    want = i2v_reference(0)
     assert out.fps == 16 and out.video.shape == (9, 32, 48, 3)
     np.testing.assert_allclose(out.video, want, atol=1e-4, rtol=0)
 
@@ -164,20 +171,21 @@ def test_image_to_video_over_the_videos_api(wan_i2v, i2v_reference, tmp_path):
         png = io.BytesIO()
         input_image(0).save(png, format="PNG")  # lossless: the server decodes these pixels
         video = client.videos.create_and_poll(
-            prompt="a cat", size="48x32", poll_interval_ms=100,
+            prompt=I2V["prompt"], size="48x32", poll_interval_ms=100,
             input_reference=("ref.png", png.getvalue(), "image/png"),
-            extra_body={"num_frames": 9, "num_inference_steps": 3, "seed": 1})
+            extra_body={"num_frames": 9, "num_inference_steps": I2V["num_inference_steps"],
+                        "seed": I2V["seed"]})
         assert video.status == "completed", video.error
         got = decode_mp4(client.videos.download_content(video.id).content)
         thumb = client.videos.download_content(video.id, variant="thumbnail").content
     finally:
         assert srv.stop(), "processes of the server were still alive after SIGTERM"
-    want8 = np.round(i2v_reference(input_image(0), "a cat", seed=1, steps=3) * 255)
+    want8 = np.round(i2v_reference(0) * 255)
     first = np.asarray(Image.open(io.BytesIO(thumb)), dtype=np.int16)
     assert np.abs(first - want8[0]).max() <= 1  # 8-bit rounding of diffusers' first frame
     assert got.shape == (9, 32, 48, 3) and psnr(got, want8) > 28  # H.264 is lossy
     # Another input image makes another video: the upload is what conditioned this one.
-    other = np.round(i2v_reference(input_image(1), "a cat", seed=1, steps=3) * 255)
+    other = np.round(i2v_reference(1) * 255)
     assert np.abs(first - other[0]).max() > 8
 
 
