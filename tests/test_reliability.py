@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import socket
 import time
 
 import httpx
@@ -60,42 +61,62 @@ def wait_idle(srv, seconds: float = 10) -> None:
     assert metric(srv, "vllm:num_requests_running") == 0
 
 
-def test_beyond_the_limit_is_503_at_once_and_streams_end_at_the_timeout(limited):
+def stalled_upload(srv: ServerProcess) -> socket.socket:
+    """A chat request whose headers arrive and whose body never ends: it holds a slot
+    without any work in the engine (a loaded machine can stall the test for seconds)."""
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                 "Content-Length: 100\r\n\r\n{".encode())
+    return sock
+
+
+def answer_of(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    sock.close()
+    return data
+
+
+def test_beyond_the_limit_is_503_at_once_and_stalled_uploads_end_at_the_timeout(limited):
+    refused_before = metric(limited, "vllm_omni:requests_refused_total")
+    timed_out_before = metric(limited, "vllm_omni:requests_timed_out_total")
+    uploads = [stalled_upload(limited) for _ in range(3)]
+    for _ in range(100):
+        if metric(limited, "vllm_omni:requests_in_flight") == 3:
+            break
+        time.sleep(0.05)
+    start = time.perf_counter()
+    refused = httpx.post(limited.url + "/v1/chat/completions", json=LONG, headers=AUTH,
+                         timeout=60)
+    assert time.perf_counter() - start < 2
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert "--max-pending-requests" in refused.json()["error"]["message"]
+    for answer in map(answer_of, uploads):
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert f"did not arrive within {TIMEOUT} s".encode() in answer
+    assert metric(limited, "vllm_omni:requests_refused_total") == refused_before + 1
+    assert metric(limited, "vllm_omni:requests_timed_out_total") == timed_out_before + 3
+    assert metric(limited, "vllm_omni:requests_in_flight") == 0
+
+
+def test_streams_end_at_the_timeout_with_an_error_event(limited):
     async def scenario():
         async with httpx.AsyncClient(base_url=limited.url, headers=AUTH, timeout=60) as c:
             async def long_stream():
-                events = []
                 async with c.stream("POST", "/v1/chat/completions",
                                     json={**LONG, "stream": True}) as r:
                     assert r.status_code == 200
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: "):
-                            events.append(line)
-                return events
+                    return [line async for line in r.aiter_lines() if line.startswith("data: ")]
 
-            streams = [asyncio.create_task(long_stream()) for _ in range(3)]
-            for _ in range(100):  # until all three are admitted (a loaded machine is slow)
-                in_flight = await asyncio.to_thread(metric, limited,
-                                                    "vllm_omni:requests_in_flight")
-                if in_flight == 3:
-                    break
-                await asyncio.sleep(0.05)
-            assert in_flight == 3
-            start = time.perf_counter()
-            refused = await c.post("/v1/chat/completions", json=LONG)
-            refused_in = time.perf_counter() - start
-            return await asyncio.gather(*streams), refused, refused_in
+            return await asyncio.gather(*(long_stream() for _ in range(3)))
 
-    busy_before = metric(limited, "vllm_omni:requests_refused_total")
-    events, refused, refused_in = asyncio.run(scenario())
-    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
-    assert "--max-pending-requests" in refused.json()["error"]["message"]
-    assert refused_in < 2
-    for stream in events:  # cut at the deadline, with an error event, then [DONE]
+    timed_out_before = metric(limited, "vllm_omni:requests_timed_out_total")
+    for stream in asyncio.run(scenario()):  # cut at the deadline: an error event, [DONE]
         assert stream[-1] == "data: [DONE]"
         assert f"took longer than {TIMEOUT} s" in stream[-2]
-    assert metric(limited, "vllm_omni:requests_refused_total") == busy_before + 1
-    assert metric(limited, "vllm_omni:requests_timed_out_total") >= 3
+    assert metric(limited, "vllm_omni:requests_timed_out_total") == timed_out_before + 3
     wait_idle(limited)
     assert metric(limited, "vllm_omni:requests_in_flight") == 0
 

@@ -46,7 +46,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="Seconds a request may take; past it the request is stopped in every stage and "
-        "answered 504 (an error event in a stream). Default: no limit.",
+        "answered 504 (an error event in a stream), or 408 if its body has not all arrived. "
+        "Default: no limit.",
     )
     parser.add_argument(
         "--stage-restarts",

@@ -257,11 +257,15 @@ def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace
 
         start = time.perf_counter()
         try:
-            await request.body()  # now: the disconnect watcher also reads from the socket
-            result = await _cancel_on_disconnect(request, _within(handler(), timeout))
+            # Read whole now (the disconnect watcher also reads from the socket), and within
+            # the deadline: a stalled upload must not hold a slot of --max-pending-requests.
+            await _read_body(request, timeout)
+            result = await _cancel_on_disconnect(request, _within(handler(), start, timeout))
         except Exception as e:
             status, message, param = error_status(e)
-            if status >= 500:
+            if status == HTTPStatus.GATEWAY_TIMEOUT:
+                logger.warning("Request to %s: %s", endpoint, message)
+            elif status >= 500:
                 logger.exception("Request to %s failed", endpoint)
             REQUESTS.labels(endpoint, str(int(status))).inc()
             return error_response(status, message, param)
@@ -418,14 +422,25 @@ def _timed_out(seconds: float) -> OmniHTTPError:
                          "it was stopped in every stage")
 
 
-async def _within(work: Awaitable[Any], seconds: float | None) -> Any:
-    """`work`, cancelled (which aborts the request in every stage) after `seconds`."""
-    if seconds is None:
+async def _read_body(request: Request, seconds: float | None) -> None:
+    try:
+        await asyncio.wait_for(request.body(), seconds)
+    except TimeoutError:
+        TIMED_OUT.inc()
+        raise OmniHTTPError(HTTPStatus.REQUEST_TIMEOUT,
+                            f"the request body did not arrive within {seconds:g} s "
+                            "(--request-timeout)") from None
+
+
+async def _within(work: Awaitable[Any], start: float, timeout: float | None) -> Any:
+    """`work`, cancelled (which aborts the request in every stage) once the request is
+    `timeout` seconds old (it began at `start`, a perf_counter time)."""
+    if timeout is None:
         return await work
     try:
-        return await asyncio.wait_for(work, seconds)
+        return await asyncio.wait_for(work, max(timeout - (time.perf_counter() - start), 0))
     except TimeoutError:
-        raise _timed_out(seconds) from None
+        raise _timed_out(timeout) from None
 
 
 async def _observed(
