@@ -259,7 +259,7 @@ def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace
         try:
             # Read whole now (the disconnect watcher also reads from the socket), and within
             # the deadline: a stalled upload must not hold a slot of --max-pending-requests.
-            await _read_body(request, timeout)
+            await _read_body(request, start, timeout)
             result = await _cancel_on_disconnect(request, _within(handler(), start, timeout))
         except Exception as e:
             status, message, param = error_status(e)
@@ -422,23 +422,26 @@ def _timed_out(seconds: float) -> OmniHTTPError:
                          "it was stopped in every stage")
 
 
-async def _read_body(request: Request, seconds: float | None) -> None:
+def _left(start: float, timeout: float | None) -> float | None:
+    """Seconds left to a request that began at `start` (a perf_counter time); None: no limit."""
+    return None if timeout is None else max(timeout - (time.perf_counter() - start), 0)
+
+
+async def _read_body(request: Request, start: float, timeout: float | None) -> None:
     try:
-        await asyncio.wait_for(request.body(), seconds)
+        await asyncio.wait_for(request.body(), _left(start, timeout))
     except TimeoutError:
         TIMED_OUT.inc()
         raise OmniHTTPError(HTTPStatus.REQUEST_TIMEOUT,
-                            f"the request body did not arrive within {seconds:g} s "
+                            f"the request body did not arrive within {timeout:g} s "
                             "(--request-timeout)") from None
 
 
 async def _within(work: Awaitable[Any], start: float, timeout: float | None) -> Any:
     """`work`, cancelled (which aborts the request in every stage) once the request is
-    `timeout` seconds old (it began at `start`, a perf_counter time)."""
-    if timeout is None:
-        return await work
+    `timeout` seconds old."""
     try:
-        return await asyncio.wait_for(work, max(timeout - (time.perf_counter() - start), 0))
+        return await asyncio.wait_for(work, _left(start, timeout))
     except TimeoutError:
         raise _timed_out(timeout) from None
 
@@ -449,15 +452,14 @@ async def _observed(
     """The SSE stream as it goes out: counted in the metrics, and ended with an error event
     when it runs past the request's deadline."""
     status = "200"
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout is None else loop.time() + timeout - (time.perf_counter() - start)
     try:
         while True:
             try:
-                if deadline is None:
+                left = _left(start, timeout)
+                if left is None:
                     item = await anext(stream)
                 else:  # each wait bounded: no timeout spans a yield
-                    item = await asyncio.wait_for(anext(stream), max(deadline - loop.time(), 0))
+                    item = await asyncio.wait_for(anext(stream), left)
             except StopAsyncIteration:
                 break
             except TimeoutError:
