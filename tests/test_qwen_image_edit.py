@@ -169,7 +169,7 @@ def test_vllm_processes_the_image_as_diffusers(two_stage, folder):
     from vllm_omni.models.qwen_image.stages import bare_pipeline
 
     encoder = two_stage.engine.orchestrator.stages["encoder"]
-    info = MULTIMODAL_REGISTRY.create_processor(encoder.model_config).info
+    info = MULTIMODAL_REGISTRY.create_processor(encoder.info.model_config).info
     pipe = reference_pipeline(folder)
     resized = bare_pipeline("QwenImageEditPipeline").image_processor.resize(WIDE, 832, 1248)
     text = pipe.prompt_template_encode.format("make it blue")

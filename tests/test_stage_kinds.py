@@ -16,7 +16,7 @@ from vllm.outputs import CompletionOutput
 from vllm_omni.config import PipelineConfigError, parse_pipeline
 from vllm_omni.config.kinds import StartContext, register_stage_kind
 from vllm_omni.config.memory import StagePlan
-from vllm_omni.engine.stage import EngineStage, Stage
+from vllm_omni.engine.stage import EngineStage, Stage, StageInfo
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -50,10 +50,13 @@ class ShoutStage(EngineStage):
     def __init__(self, config) -> None:
         self.config, self.name = config, config.name
         self.suffix = config.engine_args.get("suffix", "!")
+        self.info = StageInfo(name=config.name, engine=config.engine, output=config.output,
+                              defaults={"repeat": 1})
 
-    def sampling_params(self, given: dict[str, Any] | None) -> dict[str, Any]:
-        params = {"repeat": 1, **(given or {})}
-        self.check_sampling_params(params)
+    @classmethod
+    def request_params(cls, info: StageInfo, given: dict[str, Any] | None) -> dict[str, Any]:
+        params = {**info.defaults, **(given or {})}
+        cls.check_sampling_params(params)
         return params
 
     async def generate(self, request_id: str, prompt: Any, params: dict[str, Any], *,

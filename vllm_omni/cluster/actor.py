@@ -10,8 +10,8 @@ stage on a cluster needs beyond its kind:
   shared-memory handles as it always does;
 - payloads it outputs go to the object store when a reader of its outputs is on another
   node (the proxy says so per request: `export_payloads`), else stay in shared memory;
-- `facts()`: its node and a copy of the stage without its engine (what the proxy answers
-  locally: request defaults, the model's config);
+- `facts()`: its node and its `StageInfo` (what the proxy answers locally: request
+  defaults, the model's config, voices...);
 - `lifeline()`: a call that returns only when its engine has died, and fails when the
   actor or its node has: how the proxy learns either without polling the actor.
 """
@@ -19,7 +19,6 @@ stage on a cluster needs beyond its kind:
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections.abc import AsyncIterator
 from functools import cache
 from typing import Any, ClassVar
@@ -35,12 +34,8 @@ class StageHost:
     kind: ClassVar[type]  # the stage kind this actor hosts
 
     def facts(self) -> dict[str, Any]:
-        """Where the stage runs, and its state without the engine (plain data: config,
-        request defaults, model config) for the proxy to answer from."""
-        local = self.kind.__new__(self.kind)
-        local.__dict__.update({k: copy.copy(v) for k, v in self.__dict__.items()
-                               if k not in ("engine", "_received", "_localized")})
-        return {"node": ray.get_runtime_context().get_node_id(), "stage": local}
+        """Where the stage runs, and its `StageInfo` (plain data the proxy answers from)."""
+        return {"node": ray.get_runtime_context().get_node_id(), "info": self.info}
 
     def received(self) -> list[dict[str, Any]]:
         """The payloads this stage fetched from other nodes: producer node, bytes."""

@@ -10,7 +10,9 @@ of their readers is on another node (the connector is chosen per edge).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -28,6 +30,7 @@ from vllm_omni.cluster.connect import connect
 from vllm_omni.cluster.placement import reserve
 from vllm_omni.config.kinds import StartContext, stage_kind
 from vllm_omni.config.schema import PipelineConfig, StageConfig
+from vllm_omni.engine.stage import StageInfo
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -44,9 +47,9 @@ def forwarded_env() -> dict[str, str]:
 
 
 class RayStage:
-    """A stage hosted by a Ray actor. Requests, aborts and probes go to the actor;
-    `sampling_params` and the stage's model facts (an AR stage's `model_config`, which
-    input processors read) come from the engine-less copy the actor handed out at start."""
+    """A stage hosted by a Ray actor. Requests, aborts and probes go to the actor; `info`
+    is the `StageInfo` the actor handed out at start, from which `sampling_params` are
+    made here (by the stage's kind) and an AR stage's renderer is built in this process."""
 
     def __init__(self, config: StageConfig, actor: Any, group: Any, facts: dict[str, Any],
                  launcher: RayLauncher) -> None:
@@ -55,15 +58,26 @@ class RayStage:
         self.actor = actor
         self.group = group
         self.node: str = facts["node"]
-        self.local = facts["stage"]
+        self.info: StageInfo = facts["info"]
+        self.kind = stage_kind(config.engine)
         self.launcher = launcher
         self._lifeline = actor.lifeline.remote()
         self._dead: str | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "local":  # not set yet (while unpickling, say)
-            raise AttributeError(name)
-        return getattr(self.local, name)
+    @functools.cached_property
+    def renderer(self) -> Any:
+        """vLLM's renderer for the stage's model, built here from its config, as vLLM's
+        server builds one in its API process (None for kinds without one). Its multimodal
+        processor cache is off: the actor's engine mirrors the cache of its own renderer,
+        which this one is not."""
+        if self.info.vllm_config is None:
+            return None
+        from vllm.renderers import renderer_from_config
+
+        config = copy.deepcopy(self.info.vllm_config)
+        if config.model_config.multimodal_config is not None:
+            config.model_config.multimodal_config.mm_processor_cache_gb = 0
+        return renderer_from_config(config)
 
     def _died(self, error: BaseException) -> EngineDeadError:
         self._dead = self._dead or f"its Ray actor died ({type(error).__name__})"
@@ -71,7 +85,7 @@ class RayStage:
                                f"{self._dead}: {error}")
 
     def sampling_params(self, given: Any) -> Any:
-        return self.local.sampling_params(given)
+        return self.kind.request_params(self.info, given)
 
     async def render(self, prompts: list[Any]) -> list[Any]:
         try:

@@ -8,6 +8,7 @@ orchestrator reaches every stage through these two interfaces only.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -15,6 +16,34 @@ if TYPE_CHECKING:
     from vllm_omni.config.memory import StagePlan
     from vllm_omni.config.schema import StageConfig
     from vllm_omni.outputs import OmniRequestOutput
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What callers may know of a running stage, the same on one host and on a cluster
+    (plain data: a Ray proxy holds the copy its actor made at start)."""
+
+    name: str
+    engine: str  # its kind's name
+    output: str
+    # Request defaults: an AR stage's sampling, a diffusion stage's size, steps...
+    defaults: dict[str, Any] = field(default_factory=dict)
+    inputs: tuple[str, ...] = ("text",)  # modalities its prompts may carry
+    family: str | None = None  # the model family (diffusion: flux, wan...)
+    takes_images: bool = False  # image inputs (edits, image-to-video)
+    step_level: bool = False  # batched step by step (not one request at a time)
+    # Bounds a request is checked against before it queues: size_multiple, frame_step,
+    # max_image_pixels (None: the engine checks alone).
+    limits: dict[str, Any] = field(default_factory=dict)
+    voices: tuple[str, ...] = ()
+    sample_rate: int | None = None
+    max_model_len: int | None = None
+    # An AR stage's vLLM config: what a renderer and a tokenizer are built from.
+    vllm_config: Any = None
+
+    @property
+    def model_config(self) -> Any:
+        return self.vllm_config.model_config if self.vllm_config is not None else None
 
 
 @runtime_checkable
@@ -28,10 +57,19 @@ class Stage(Protocol):
     kinds with `streamed_input` are given one). With `keep_hidden_states`, the finished
     output carries the request's hidden states as `tensor_handles["hidden_states"]`
     (AR kinds). Leaving the iteration early stops the request in the engine.
+
+    Outputs are cumulative: each holds the whole output so far (text and tokens, audio),
+    whatever the parameters ask for (a caller that wants deltas makes them); parameters
+    asking for the final output only get one output, the finished one.
     """
 
     name: str
     config: StageConfig
+    info: StageInfo
+    # Renders prompts in this process (vLLM's renderer, from `info.vllm_config`): chat
+    # templates, tokenizer, multimodal processing. None for kinds that take prompts as
+    # they come.
+    renderer: Any
 
     def sampling_params(self, given: Any) -> Any:
         """The request's parameters for this stage: `given` ones as they are, or a dict of
@@ -87,6 +125,11 @@ class StageKind(Protocol):
         """ValueError for request defaults this kind would refuse."""
 
     @classmethod
+    def request_params(cls, info: StageInfo, given: Any) -> Any:
+        """A running stage's `sampling_params`, from its info alone (so a proxy of a stage
+        elsewhere answers it without asking the stage)."""
+
+    @classmethod
     def default_device(cls, config: StageConfig, ar_device_type: str) -> str:
         """The device of a stage without a placement."""
 
@@ -112,8 +155,13 @@ class EngineStage:
 
     engine: Any
     name: str
+    info: StageInfo
+    renderer: Any = None
     autoregressive: ClassVar[bool] = False
     streamed_input: ClassVar[bool] = False
+
+    def sampling_params(self, given: Any) -> Any:
+        return self.request_params(self.info, given)
 
     @classmethod
     def default_device(cls, config: StageConfig, ar_device_type: str) -> str:

@@ -14,6 +14,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import EngineInput, PromptType
 from vllm.platforms import current_platform
 from vllm.renderers.inputs.preprocess import parse_model_prompt
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from vllm_omni.config.kinds import StartContext
@@ -22,11 +23,13 @@ from vllm_omni.config.memory import AR_RANK_RUNTIME, RUNTIME, StagePlan, weights
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.ar import hidden_states, parallel, step_inputs
 from vllm_omni.engine.ar.worker import worker_class_path
-from vllm_omni.engine.stage import EngineStage
+from vllm_omni.engine.stage import EngineStage, StageInfo
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.transfer.connectors import SharedMemoryConnector, ShmHandle
 
 _ENGINE_ARG_NAMES = {f.name for f in fields(AsyncEngineArgs)}
+# Multimodal inputs a chat message can carry, by vLLM's modality name.
+CHAT_INPUTS = ("image", "audio", "video")
 AOT_ENV = "VLLM_USE_AOT_COMPILE"
 
 
@@ -70,6 +73,24 @@ def stage_engine_args(
     if (stage.model or stage.subfolder) and "tokenizer" not in stage.engine_args:
         merged.pop("tokenizer", None)
     return AsyncEngineArgs(**merged)
+
+
+def input_modalities(model_config: Any) -> tuple[str, ...]:
+    """Text, plus the modalities the model takes in a chat message (from vLLM's model
+    class: those it has a placeholder for)."""
+    if not model_config.is_multimodal_model:
+        return ("text",)
+    from vllm.model_executor.models import ModelRegistry
+
+    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+    found = ["text"]
+    for modality in CHAT_INPUTS:
+        try:
+            if model_cls.get_placeholder_str(modality, 1) is not None:
+                found.append(modality)
+        except (ValueError, NotImplementedError):
+            pass
+    return tuple(found)
 
 
 def is_engine_input(prompt: object) -> bool:
@@ -193,44 +214,43 @@ class ARStage(EngineStage):
         with parallel.engine_environment(env):
             self.engine = AsyncLLM.from_engine_args(engine_args,
                                                     usage_context=context.usage_context)
-        self.model_config = self.engine.model_config
+        model_config = self.engine.model_config
         # The model's generation_config defaults, the ones derived from its config, then the
         # stage's own defaults from the YAML.
         derived = {}
         if config.sampling_defaults:
-            derived = load_function(config.sampling_defaults)(self.model_config.hf_config)
-        self.default_sampling = {
-            **self.model_config.get_diff_sampling_param(),
-            **derived,
-            **config.sampling_params,
-        }
+            derived = load_function(config.sampling_defaults)(model_config.hf_config)
+        self.info = StageInfo(
+            name=config.name, engine=config.engine, output=config.output,
+            defaults={**model_config.get_diff_sampling_param(), **derived,
+                      **config.sampling_params},
+            inputs=input_modalities(model_config), family=model_config.architecture,
+            max_model_len=model_config.max_model_len, vllm_config=self.engine.vllm_config)
 
     @property
     def renderer(self):
         return self.engine.renderer
 
-    @property
-    def max_model_len(self) -> int:
-        return self.model_config.max_model_len
-
-    def sampling_params(self, given: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    @classmethod
+    def request_params(cls, info: StageInfo,
+                       given: SamplingParams | dict[str, Any] | None) -> SamplingParams:
         """SamplingParams for one request: given ones as they are, a dict over the defaults."""
         if isinstance(given, SamplingParams):
             return given
         unknown = sorted(set(given or {}) - set(SamplingParams.__struct_fields__))
         if unknown:
-            raise ValueError(f"stage {self.name!r}: unknown sampling params {unknown}")
+            raise ValueError(f"stage {info.name!r}: unknown sampling params {unknown}")
         try:
-            return SamplingParams.from_optional(**{**self.default_sampling, **(given or {})})
+            return SamplingParams.from_optional(**{**info.defaults, **(given or {})})
         except TypeError as e:  # a value of the wrong type, from the request
-            raise ValueError(f"stage {self.name!r}: invalid sampling params: {e}") from None
+            raise ValueError(f"stage {info.name!r}: invalid sampling params: {e}") from None
 
     async def render(self, prompts: list[PromptType | EngineInput]) -> list[EngineInput]:
         """Tokenize (and process multimodal data of) prompts in one batch, as vLLM's LLM does."""
         todo = [i for i, p in enumerate(prompts) if not is_engine_input(p)]
         if not todo:
             return list(prompts)
-        parsed = [parse_model_prompt(self.model_config, prompts[i]) for i in todo]
+        parsed = [parse_model_prompt(self.info.model_config, prompts[i]) for i in todo]
         rendered = await self.renderer.render_cmpl_async(parsed)
         out = list(prompts)
         for i, engine_input in zip(todo, rendered, strict=True):
@@ -270,9 +290,15 @@ class ARStage(EngineStage):
             }
         if wants_hidden:
             extra[hidden_states.REQUEST_KEY] = request_id
-        if extra:
+        # Outputs are cumulative (the contract): the stages downstream read the whole
+        # output so far, and a caller that streams makes its own deltas.
+        cumulative = sampling_params.output_kind == RequestOutputKind.DELTA
+        if extra or cumulative:
             sampling_params = sampling_params.clone()
-            sampling_params.extra_args = {**(sampling_params.extra_args or {}), **extra}
+            if extra:
+                sampling_params.extra_args = {**(sampling_params.extra_args or {}), **extra}
+            if cumulative:
+                sampling_params.output_kind = RequestOutputKind.CUMULATIVE
         try:
             (engine_input,) = await self.render([prompt])
             async for out in self.engine.generate(engine_input, sampling_params, request_id):

@@ -15,7 +15,7 @@ from vllm_omni.config.memory import RUNTIME, TORCH_BYTES, StagePlan, weights_byt
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.code2wav.core import Code2WavCore, Code2WavOptions, check_params
 from vllm_omni.engine.runtime import EngineClient
-from vllm_omni.engine.stage import EngineStage
+from vllm_omni.engine.stage import EngineStage, StageInfo
 from vllm_omni.outputs import AudioOutput, OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,26 @@ def code2wav_options(config: StageConfig) -> Code2WavOptions:
 
 
 _OPTION_NAMES = {f.name for f in dataclasses.fields(Code2WavOptions)}
+
+
+class GrowingWaveform:
+    """A request's waveform so far, grown in place (its room doubles when full), so each
+    chunk copies only its own samples. The views it hands out stay valid: later samples
+    are written past their end."""
+
+    def __init__(self) -> None:
+        self.buffer = np.empty(0, np.float32)
+        self.size = 0
+
+    def extend(self, piece: np.ndarray) -> np.ndarray:
+        end = self.size + len(piece)
+        if end > len(self.buffer):
+            grown = np.empty(max(end, 2 * len(self.buffer)), piece.dtype)
+            grown[:self.size] = self.buffer[:self.size]
+            self.buffer = grown
+        self.buffer[self.size:end] = piece
+        self.size = end
+        return self.buffer[:end]
 
 
 class Code2WavStage(EngineStage):
@@ -76,14 +96,18 @@ class Code2WavStage(EngineStage):
         self.name = config.name
         self.engine = EngineClient(Code2WavCore, config.model or context.model,
                                    code2wav_options(config))
-        self.sample_rate: int = self.engine.info["sample_rate"]
-        self.speakers: list[str] = self.engine.info["speakers"]
+        facts = self.engine.info
+        self.info = StageInfo(
+            name=config.name, engine=config.engine, output=config.output,
+            defaults=dict(facts.get("defaults") or {}), inputs=("codes",),
+            voices=tuple(facts["speakers"]), sample_rate=facts["sample_rate"])
         self._codes: dict[str, list[int]] = {}  # per running request: its codes so far
-        logger.info("stage %r serves %s", self.name, self.engine.info)
+        logger.info("stage %r serves %s", self.name, facts)
 
-    def sampling_params(self, given: dict[str, Any] | None) -> dict[str, Any]:
+    @classmethod
+    def request_params(cls, info: StageInfo, given: dict[str, Any] | None) -> dict[str, Any]:
         params = dict(given or {})
-        check_params(params, self.speakers)
+        check_params(params, list(info.voices))
         return params
 
     async def generate(
@@ -104,13 +128,12 @@ class Code2WavStage(EngineStage):
         if prompt.get("speaker") is not None:
             params.setdefault("speaker", prompt["speaker"])
         codes = self._codes[request_id] = list(prompt["codes"])
-        pieces: list[np.ndarray] = []
+        so_far = GrowingWaveform()
         try:
             async for out in self.engine.generate(
                 request_id, {"codes": codes, "complete": input_complete}, params
             ):
-                pieces.append(out.waveform)
-                waveform = np.concatenate(pieces)
+                waveform = so_far.extend(out.waveform)
                 yield OmniRequestOutput(
                     request_id=request_id,
                     stage=self.name,

@@ -20,7 +20,7 @@ from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.diffusion.client import AsyncDiffusionEngine
 from vllm_omni.engine.diffusion.core import EngineOptions
 from vllm_omni.engine.diffusion.params import DiffusionParams
-from vllm_omni.engine.stage import EngineStage
+from vllm_omni.engine.stage import EngineStage, StageInfo
 from vllm_omni.outputs import OmniRequestOutput, VideoOutput
 
 logger = logging.getLogger(__name__)
@@ -178,9 +178,20 @@ class DiffusionStage(EngineStage):
         options = engine_options(config, context.engine_kwargs, context.cache_config,
                                  context.diffusion_parallel)
         self.engine = AsyncDiffusionEngine(config.model or context.model, options)
-        logger.info("stage %r serves %s", self.name, self.engine.info)
+        facts = self.engine.info
+        logger.info("stage %r serves %s", self.name, facts)
+        self.info = StageInfo(
+            name=config.name, engine=config.engine, output=config.output,
+            defaults=dict(facts.get("defaults") or {}),
+            inputs=("text", "image") if facts.get("takes_images") else ("text",),
+            family=facts.get("family"), takes_images=bool(facts.get("takes_images")),
+            step_level=bool(facts.get("step_level")),
+            limits={k: facts.get(k) for k in ("size_multiple", "frame_step",
+                                              "max_image_pixels")})
 
-    def sampling_params(self, given: DiffusionParams | dict[str, Any] | None) -> DiffusionParams:
+    @classmethod
+    def request_params(cls, info: StageInfo,
+                       given: DiffusionParams | dict[str, Any] | None) -> DiffusionParams:
         if isinstance(given, DiffusionParams):
             return given
         return DiffusionParams.parse(given or {})

@@ -364,7 +364,7 @@ def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace
                 "created": int(time.time()),
                 "owned_by": "vllm-omni",
                 "root": omni.model,
-                **({"max_model_len": text.max_model_len} if text else {}),
+                **({"max_model_len": text.info.max_model_len} if text else {}),
             }
             for name in served_model_names
         ]

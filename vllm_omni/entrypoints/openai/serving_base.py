@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -58,7 +59,7 @@ class EntryRenderer:
             return None
         entry = self.omni.entry_stage
         if entry is not self._stage:
-            self._renderer = OnlineRenderer(entry.model_config, entry.renderer,
+            self._renderer = OnlineRenderer(entry.info.model_config, entry.renderer,
                                             request_logger=None, **self.settings)
             self._stage = entry
         return self._renderer
@@ -140,12 +141,12 @@ class OmniServing:
                 {**request.model_dump(exclude_unset=True), **overrides[name]}
             )
         max_tokens = get_max_tokens(
-            text_stage.max_model_len,
+            text_stage.info.max_model_len,
             getattr(stage_request, "max_completion_tokens", None) or stage_request.max_tokens,
             prompt_len,
-            text_stage.default_sampling,
+            text_stage.info.defaults,
         )
-        overrides[name] = stage_request.to_sampling_params(max_tokens, text_stage.default_sampling)
+        overrides[name] = stage_request.to_sampling_params(max_tokens, text_stage.info.defaults)
         return self.omni.sampling_params_list(self.in_stage_order(overrides))
 
 
@@ -200,6 +201,42 @@ async def primed(outputs: AsyncIterator[OmniRequestOutput]) -> AsyncIterator[Omn
 
 
 # -- streamed answers and errors ---------------------------------------------------------
+
+
+@dataclass
+class TextDelta:
+    """What one choice of a text output added since the last one a stream sent."""
+
+    index: int
+    text: str
+    num_tokens: int
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class TextDeltas:
+    """The deltas a stream sends, made from a text stage's cumulative outputs (stages
+    report the whole output so far; the contract in engine/stage.py)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, tuple[int, int]] = {}  # per choice: characters, tokens
+
+    def take(self, out: OmniRequestOutput) -> list[TextDelta]:
+        """The new part of each choice that has one (or that just finished)."""
+        deltas = []
+        for c in out.outputs:
+            chars, tokens = self.sent.get(c.index, (0, 0))
+            self.sent[c.index] = (len(c.text), len(c.token_ids))
+            delta = TextDelta(c.index, c.text[chars:], len(c.token_ids) - tokens,
+                              c.finish_reason, c.stop_reason)
+            if delta.text or delta.finish_reason is not None:
+                deltas.append(delta)
+        return deltas
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated so far, over every choice."""
+        return sum(tokens for _, tokens in self.sent.values())
 
 
 def sse(payload: str) -> str:

@@ -41,6 +41,7 @@ from vllm_omni.entrypoints.openai.protocol import (
 from vllm_omni.entrypoints.openai.serving_base import (
     EntryRenderer,
     OmniServing,
+    TextDeltas,
     error_event,
     final_outputs,
     primed,
@@ -134,7 +135,7 @@ class OmniServingChat(OmniServing):
         if (request.n or 1) != 1:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "audio output supports n=1 only", "n")
         audio = request.audio or AudioOutputParams()
-        check_voice_and_format(stage.speakers, audio.voice, audio.format, "audio.voice",
+        check_voice_and_format(list(stage.info.voices), audio.voice, audio.format, "audio.voice",
                                "audio.format")
         params: dict = {"speaker": audio.voice} if audio.voice else {}
         if request.stream and audio.format in STREAMABLE:
@@ -260,7 +261,7 @@ class OmniServingChat(OmniServing):
                 for i in range(n)
             ]
         )
-        generated = 0
+        text = TextDeltas()
         speaking = "audio" in (request.modalities or []) and self.omni.audio_stage is not None
 
         def audio_chunk(audio: dict) -> str:  # OpenAI's delta.audio (transcript, then data)
@@ -291,30 +292,24 @@ class OmniServingChat(OmniServing):
                     continue
                 if out.output_type != "text":
                     continue
-                generated += out.num_generated_tokens
+                deltas = text.take(out)
                 if speaking:
-                    text = "".join(c.text for c in out.outputs)
-                    if text:
-                        yield audio_chunk({"transcript": text})
+                    transcript = "".join(d.text for d in deltas)
+                    if transcript:
+                        yield audio_chunk({"transcript": transcript})
                     continue
-                choices = [
-                    ChatCompletionResponseStreamChoice(
-                        index=c.index,
-                        delta=DeltaMessage(content=c.text),
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                    )
-                    for c in out.outputs
-                    if c.text or c.finish_reason is not None
-                ]
-                if choices:
-                    yield chunk(choices)
+                if deltas:
+                    yield chunk([
+                        ChatCompletionResponseStreamChoice(
+                            index=d.index, delta=DeltaMessage(content=d.text),
+                            finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                        for d in deltas])
         except Exception as e:  # headers are sent: the error goes into the stream
             yield error_event(e)
             yield sse("[DONE]")
             return
         if include_usage:  # the usage chunk also says how long each stage took
-            yield chunk([], usage_info(prompt_len, generated), stage_seconds=seconds)
+            yield chunk([], usage_info(prompt_len, text.generated), stage_seconds=seconds)
         yield sse("[DONE]")
 
 

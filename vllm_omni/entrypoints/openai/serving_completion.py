@@ -23,6 +23,7 @@ from vllm_omni.entrypoints.openai.protocol import (
 )
 from vllm_omni.entrypoints.openai.serving_base import (
     OmniServing,
+    TextDeltas,
     error_event,
     final_outputs,
     primed,
@@ -101,21 +102,16 @@ class OmniServingCompletion(OmniServing):
         created = int(time.time())
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         n = request.n
-        generated = 0
+        deltas = [TextDeltas() for _ in streams]
         try:
             async for p, out in _merge(streams):
                 if out.output_type != "text":
                     continue
-                generated += out.num_generated_tokens
                 choices = [
                     CompletionResponseStreamChoice(
-                        index=p * n + c.index,
-                        text=c.text,
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                    )
-                    for c in out.outputs
-                    if c.text or c.finish_reason is not None
+                        index=p * n + d.index, text=d.text,
+                        finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                    for d in deltas[p].take(out)
                 ]
                 if choices:
                     yield sse(
@@ -134,7 +130,7 @@ class OmniServingCompletion(OmniServing):
                     created=created,
                     model=model,
                     choices=[],
-                    usage=usage_info(prompt_tokens, generated),
+                    usage=usage_info(prompt_tokens, sum(d.generated for d in deltas)),
                 ).model_dump_json(exclude_unset=True)
             )
         yield sse("[DONE]")

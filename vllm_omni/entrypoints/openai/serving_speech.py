@@ -29,9 +29,10 @@ from vllm_omni.entrypoints.openai.audio import (
 from vllm_omni.entrypoints.openai.protocol import (
     OmniHTTPError,
     SpeechRequest,
+    error_body,
     rendered,
 )
-from vllm_omni.entrypoints.openai.serving_base import OmniServing, sse
+from vllm_omni.entrypoints.openai.serving_base import OmniServing, error_status, sse
 from vllm_omni.processors import REPLY_START
 
 DEFAULT_INSTRUCTIONS = "Read the following text aloud."
@@ -78,7 +79,7 @@ class OmniServingSpeech(OmniServing):
         if stage is None or text_stage is None or self.renderer is None:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST,
                                 f"pipeline {self.omni.pipeline.name!r} does not speak")
-        check_voice_and_format(stage.speakers, request.voice, request.response_format,
+        check_voice_and_format(list(stage.info.voices), request.voice, request.response_format,
                                "voice", "response_format")
         if request.speed != 1.0:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "speed other than 1.0 is not "
@@ -115,12 +116,16 @@ class OmniServingSpeech(OmniServing):
                       ) -> AsyncIterator[str]:
         in_pieces = request.response_format in STREAMABLE
         codes = 0
-        async for out, new in _new_audio(outputs, in_pieces):
-            data = encode_audio(new, out.audio.sample_rate, request.response_format)
-            yield sse(json.dumps({"type": "speech.audio.delta",
-                                  "audio": base64.b64encode(data).decode()}))
-            if out.finished:
-                codes = len(out.tensors.get("codes", ()))
+        try:
+            async for out, new in _new_audio(outputs, in_pieces):
+                data = encode_audio(new, out.audio.sample_rate, request.response_format)
+                yield sse(json.dumps({"type": "speech.audio.delta",
+                                      "audio": base64.b64encode(data).decode()}))
+                if out.finished:
+                    codes = len(out.tensors.get("codes", ()))
+        except Exception as e:  # headers are sent: the error goes into the stream, as chat's
+            yield sse(json.dumps({"type": "error", **error_body(*error_status(e))}))
+            return
         yield sse(json.dumps({"type": "speech.audio.done", "usage": {
             "input_tokens": input_tokens, "output_tokens": codes,
             "total_tokens": input_tokens + codes}}))

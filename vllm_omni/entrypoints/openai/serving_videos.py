@@ -11,6 +11,7 @@ from http import HTTPStatus
 from typing import Any
 
 from vllm_omni.engine.diffusion.params import DiffusionParams
+from vllm_omni.engine.stage import StageInfo
 from vllm_omni.entrypoints.openai.images import decode_image
 from vllm_omni.entrypoints.openai.protocol import OmniHTTPError, VideoCreateRequest, parse_size
 from vllm_omni.entrypoints.openai.serving_base import OmniServing, error_status
@@ -46,10 +47,10 @@ class OmniServingVideos(OmniServing):
     async def create(self, request: VideoCreateRequest, request_id: str) -> dict[str, Any]:
         self.check_model(request.model)
         stage = self.stage()
-        info = stage.engine.info
+        info = stage.info
         prompt: Any = request.prompt
         if request.input_reference is not None:
-            if not info.get("takes_images"):
+            if not info.takes_images:
                 raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "input_reference: this model makes "
                                     "videos from text only", "input_reference")
             image = decode_image(reference_bytes(request.input_reference), "input_reference")
@@ -63,14 +64,14 @@ class OmniServingVideos(OmniServing):
         self.jobs.add(job, lambda j: self._run(j, prompt, self.in_stage_order(overrides)))
         return job.as_object(self.jobs.ttl)
 
-    def diffusion_params(self, request: VideoCreateRequest, info: dict) -> dict[str, Any]:
+    def diffusion_params(self, request: VideoCreateRequest, info: StageInfo) -> dict[str, Any]:
         """The stage's parameters, every size and length filled in and checked here, so a
         job that starts is one the model can make."""
-        defaults = info.get("defaults") or {}
+        defaults = info.defaults
         width, height = defaults.get("width"), defaults.get("height")
         if request.size is not None:
             width, height = parse_size(request.size)
-        multiple = info.get("size_multiple")
+        multiple = info.limits.get("size_multiple")
         if multiple and (width % multiple or height % multiple):
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"size: width and height must be "
                                 f"multiples of {multiple} for this model, got {width}x{height}",
@@ -78,12 +79,12 @@ class OmniServingVideos(OmniServing):
         if width is None or height is None:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "size is needed: this model has no "
                                 "default size", "size")
-        limit = info.get("max_image_pixels")
+        limit = info.limits.get("max_image_pixels")
         if limit and width * height > limit:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"size: {width}x{height} is over this "
                                 f"model's limit of {limit} pixels per frame", "size")
         fps = request.fps or defaults.get("fps") or 16
-        step = info.get("frame_step")
+        step = info.limits.get("frame_step")
         frames = request.num_frames
         if frames is None and request.seconds is not None:
             # The frame count the model takes nearest to the asked length.

@@ -18,7 +18,7 @@ def thinker_to_talker(
     thinker = upstream["thinker"]
     if "hidden_states" not in thinker.tensor_handles:
         raise ValueError("the thinker stage must keep hidden states (hidden_states: true)")
-    config = stage.model_config.hf_config
+    config = stage.info.model_config.hf_config
     # A written answer at the prompt's end (text to speech) is spoken as the thinker's reply.
     prompt_ids = list(thinker.prompt_token_ids)
     prompt_ids = prompt_ids[:reply_start(params.get("thinker"), len(prompt_ids))]
@@ -31,7 +31,7 @@ def thinker_to_talker(
             "args": {
                 "thinker_prompt": prompt_ids,
                 "text_bos": speaker_bos(
-                    stage.model_config.model, (params.get("code2wav") or {}).get("speaker")
+                    stage.info.model_config.model, (params.get("code2wav") or {}).get("speaker")
                 ),
             },
         },

@@ -91,7 +91,7 @@ def _negative_prompt(params: dict[str, Any]) -> str | None:
 
 
 def _pipeline_class(stage: Any) -> str:
-    folder = Path(stage.model_config.model).parent  # the encoder is the text_encoder folder
+    folder = Path(stage.info.model_config.model).parent  # the encoder is the text_encoder folder
     pipeline_class = diffusers_pipeline_class(folder)
     if pipeline_class is None:
         raise ValueError(f"stage {stage.name!r}: {folder} is not a diffusers folder")
