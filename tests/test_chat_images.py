@@ -109,8 +109,16 @@ def test_streamed_chat_carries_the_image(chat_to_image):
     text_then_image = streamed(chat_to_image, BODY)
     text = "".join(d["content"] for d in text_then_image if isinstance(d.get("content"), str))
     assert text and isinstance(text_then_image[-1]["content"], list)
-    assert np.array_equal(pixels(part["image_url"]["url"]),
-                          pixels(text_then_image[-1]["content"][0]["image_url"]["url"]))
+    drawn = pixels(text_then_image[-1]["content"][0]["image_url"]["url"])
+    assert np.array_equal(pixels(part["image_url"]["url"]), drawn)
+    # The DiT drew the LLM's whole answer, as the unstreamed chat and diffusers do (a
+    # stream's text arrives in deltas; the stage downstream reads the whole text).
+    whole = httpx.post(chat_to_image.url + "/v1/chat/completions",
+                       json={**BODY, "modalities": ["text", "image"]}, timeout=120).json()
+    text_part, image_part = whole["choices"][0]["message"]["content"]
+    assert text_part["text"] == text
+    assert np.array_equal(pixels(image_part["image_url"]["url"]), drawn)
+    assert np.abs(drawn - digits_image(text, 5)).max() <= 1
 
 
 def test_what_chat_cannot_answer_is_a_400(chat_to_image):
