@@ -112,18 +112,27 @@ class ServerProcess:
         timeout: float = 240,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        vllm_cli = str(Path(sys.executable).parent / "vllm")
-        self.proc = subprocess.Popen(
-            [vllm_cli, "serve", *args, "--omni", "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=open(log_path, "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-        self._wait_ready(timeout)
+        for attempt in range(3):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            vllm_cli = str(Path(sys.executable).parent / "vllm")
+            self.proc = subprocess.Popen(
+                [vllm_cli, "serve", *args, "--omni", "--host", "127.0.0.1", "--port",
+                 str(self.port)],
+                stdout=open(log_path, "w"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
+            try:
+                self._wait_ready(timeout)
+                return
+            except RuntimeError:
+                # The free port was taken while the stages started (Ray's workers bind
+                # ports of their own): another one.
+                if attempt == 2 or "address already in use" not in log_path.read_text():
+                    raise
 
     def _wait_ready(self, timeout: float) -> None:
         import httpx

@@ -13,10 +13,11 @@ import subprocess
 import sys
 import time
 
+import httpx
 import numpy as np
 import pytest
 import yaml
-from conftest import MAX_MODEL_LEN, pipeline_llm
+from conftest import MAX_MODEL_LEN, SERVER_MAX_MODEL_LEN, ServerProcess, pipeline_llm
 from test_pipeline_dit import assert_equals_steps_by_hand
 from vllm import SamplingParams
 
@@ -206,6 +207,74 @@ def test_omni_on_three_nodes_equals_one_host(cluster, tiny_omni, tmp_path):
     assert [c.metrics["samples"] for c in chunks] == [c.metrics["samples"] for c in want]
     assert chunks[-1].tensors["codes"].tolist() == want[-1].tensors["codes"].tolist()
     np.testing.assert_allclose(whole, want[-1].audio.waveform, atol=1e-6, rtol=0)
+
+
+CHAT_TO_IMAGE = """
+name: chat-to-image-on-ray
+stages:
+  - name: llm
+    engine: ar
+    output: text
+    final_output: true
+    placement: {{resources: {{node_a: 1}}}}
+  - name: dit
+    engine: diffusion
+    model: {dit}
+    inputs: [llm]
+    input_processor: vllm_omni.processors:upstream_text
+    sampling_params: {{num_inference_steps: 4}}
+    output: image
+    final_output: true
+    placement: {{resources: {{node_b: 1}}}}
+"""
+
+
+def test_served_over_http_on_two_nodes(cluster, tiny_qwen2, tmp_path):
+    """`vllm serve --omni --ray-address`: an LLM -> DiT pipeline, each stage on its own
+    node, answers what a one-host server answers: the pipeline's info (read from the stages'
+    StageInfo, made by their actors), the playground, chat rendered in the API process
+    (streamed and not) and images, each image the one diffusers draws for its text and seed.
+    Before the module's LLM pipeline starts, so the nodes' resources are free."""
+    from test_chat_images import BODY, digits_image, pixels, streamed
+
+    from vllm_omni.testing.digits import DIGITS_MODEL
+
+    (tmp_path / "pipeline.yaml").write_text(CHAT_TO_IMAGE.format(dit=DIGITS_MODEL))
+    srv = ServerProcess([tiny_qwen2, "--stage-configs-path", str(tmp_path / "pipeline.yaml"),
+                         "--max-model-len", str(SERVER_MAX_MODEL_LEN), "--ray-address",
+                         cluster[0].address, "--stage-restarts", "0"],
+                        tmp_path / "server.log", timeout=300)
+    try:
+        info = httpx.get(srv.url + "/v1/omni/info", timeout=30).json()
+        assert [s["name"] for s in info["stages"]] == ["llm", "dit"]
+        assert info["image"]["family"] == "flux" and info["image"]["step_level"]
+        assert info["max_model_len"] == SERVER_MAX_MODEL_LEN and info["inputs"] == ["text"]
+        assert "<html" in httpx.get(srv.url + "/", timeout=30).text.lower()
+        assert "Ray" in srv.log_path.read_text()  # the stages did start as actors
+
+        whole = httpx.post(srv.url + "/v1/chat/completions",
+                           json={**BODY, "modalities": ["text", "image"]}, timeout=120)
+        assert whole.status_code == 200, whole.text
+        text_part, image_part = whole.json()["choices"][0]["message"]["content"]
+        drawn = pixels(image_part["image_url"]["url"])
+        assert np.abs(drawn - digits_image(text_part["text"], 5)).max() <= 1
+
+        deltas = streamed(srv, BODY)
+        text = "".join(d["content"] for d in deltas if isinstance(d.get("content"), str))
+        assert text == text_part["text"]
+        assert np.array_equal(pixels(deltas[-1]["content"][0]["image_url"]["url"]), drawn)
+
+        # An image request's prompt goes through the LLM too: the DiT draws its completion.
+        prompt, llm = "a handwritten digit seven", {"temperature": 0, "max_tokens": 6}
+        r = httpx.post(srv.url + "/v1/images/generations", timeout=120, json={
+            "prompt": prompt, "seed": 3, "stage_sampling_params": {"llm": llm}})
+        assert r.status_code == 200, r.text
+        got = pixels("data:image/png;base64," + r.json()["data"][0]["b64_json"])
+        completion = httpx.post(srv.url + "/v1/completions", timeout=120,
+                                json={"prompt": prompt, **llm}).json()
+        assert np.abs(got - digits_image(completion["choices"][0]["text"], 3)).max() <= 1
+    finally:
+        assert srv.stop(), "processes of the server were still alive after SIGTERM"
 
 
 def test_pinned_stages_equal_the_one_host_run(on_ray, vllm_llm, dit_folder):

@@ -86,10 +86,12 @@ class ImageGenerationRequest(BaseModel):
     strength: float | None = None
     # Step caching for this request (CacheConfig's fields; over the server's --cache-config).
     cache: dict[str, Any] | None = None
+    # Per-stage overrides by stage name (the LLM before a DiT, say), over the fields above.
+    stage_sampling_params: dict[str, dict[str, Any]] | None = None
 
-    @field_validator("cache", mode="before")
+    @field_validator("cache", "stage_sampling_params", mode="before")
     @classmethod
-    def _cache(cls, value: Any) -> Any:
+    def _json_in_forms(cls, value: Any) -> Any:
         # A multipart form (images/edits) carries it as JSON text.
         return json.loads(value) if isinstance(value, str) else value
 
@@ -146,8 +148,10 @@ class VideoCreateRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     # Step caching for this request (CacheConfig's fields; over the server's --cache-config).
     cache: dict[str, Any] | None = None
+    # Per-stage overrides by stage name (the LLM before a DiT, say), over the fields above.
+    stage_sampling_params: dict[str, dict[str, Any]] | None = None
 
-    @field_validator("cache", mode="before")
+    @field_validator("cache", "stage_sampling_params", mode="before")
     @classmethod
     def _cache(cls, value: Any) -> Any:
         return json.loads(value) if isinstance(value, str) else value  # a form's JSON text

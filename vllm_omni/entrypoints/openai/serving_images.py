@@ -67,7 +67,8 @@ class OmniServingImages(OmniServing):
 
     async def generations(self, request: ImageGenerationRequest, request_id: str) -> dict:
         self.check_model(request.model)
-        out = await self.generate_images(request.prompt, request.diffusion_params(), request_id)
+        out = await self.generate_images(request.prompt, request.diffusion_params(), request_id,
+                                         request.stage_sampling_params)
         return self._response(request, out)
 
     async def edits(self, form: dict[str, Any], request_id: str) -> dict:
@@ -83,5 +84,6 @@ class OmniServingImages(OmniServing):
         self.check_model(request.model)
         images = [decode_image(data, "image") for data in uploads]
         prompt = {"prompt": request.prompt, "multi_modal_data": {"image": images}}
-        out = await self.generate_images(prompt, request.diffusion_params(), request_id)
+        out = await self.generate_images(prompt, request.diffusion_params(), request_id,
+                                         request.stage_sampling_params)
         return self._response(request, out)
