@@ -72,11 +72,11 @@ async def closed_loop(engine, reqs, cache, concurrency: int, steps: int):
     async def worker():
         while queue:
             i, (prompt, seed) = queue.pop(0)
-            params = {"seed": seed, "num_inference_steps": steps}
+            params = {"seed": seed, "num_inference_steps": steps, "float_output": True}
             if cache:
                 params["cache"] = cache
             outs = [o async for o in engine.generate(f"q{i}-{time.monotonic_ns()}", prompt, params)]
-            images[i], stats[i] = outs[-1].images[0], outs[-1].cache
+            images[i], stats[i] = outs[-1].float_images[0], outs[-1].cache
 
     start = time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(concurrency)])

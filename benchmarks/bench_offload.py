@@ -58,9 +58,9 @@ class PeakGpuMemory:
 async def run_engine(engine: AsyncDiffusionEngine, prompts: list[str], params: list[dict]):
     async def one(i: int) -> np.ndarray:
         async for out in engine.generate(f"r{i}-{time.perf_counter_ns()}", prompts[i],
-                                         params[i]):
+                                         {**params[i], "float_output": True}):
             if out.finished:
-                return out.images[0]
+                return out.float_images[0]
         raise RuntimeError("no final output")
 
     return await asyncio.gather(*[one(i) for i in range(len(prompts))])

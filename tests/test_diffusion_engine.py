@@ -29,9 +29,10 @@ def reference(pipe, prompt: str, seed: int, **kw) -> np.ndarray:
 
 async def run(engine, rid: str, prompt: str, images=None, **params):
     steps = []
-    async for out in engine.generate(rid, prompt, {**SIZE, **params}, images):
+    async for out in engine.generate(rid, prompt, {**SIZE, "float_output": True, **params},
+                                     images):
         steps.append(out.step)
-    return np.stack(out.images), steps
+    return out.float_images, steps
 
 
 def run_sync(coro):
@@ -99,9 +100,10 @@ def test_request_joins_running_batch(family):
 
         async def track(rid, prompt, seed, steps):
             async for out in engine.generate(rid, prompt, {**SIZE, "seed": seed,
-                                                           "num_inference_steps": steps}):
+                                                           "num_inference_steps": steps,
+                                                           "float_output": True}):
                 order.append((rid, out.step))
-            return np.stack(out.images)
+            return out.float_images
 
         long = asyncio.create_task(track("long", "a long one", 7, 40))
         while not any(rid == "long" and step >= 5 for rid, step in order):

@@ -18,7 +18,7 @@ def test_digits_are_recognisable():
 
     async def draw(prompt: str, seed: int):
         outs = [o async for o in engine.generate(f"{prompt}-{seed}", prompt, {"seed": seed})]
-        return outs[-1].images[0]
+        return outs[-1].images[0] / 255  # 8-bit pixels; the classifier reads [0, 1]
 
     async def all_digits():
         prompts = [(f"a handwritten digit {w}", d, s) for d, w in enumerate(WORDS) for s in (0, 1)]

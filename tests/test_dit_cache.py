@@ -22,8 +22,9 @@ ALWAYS = {"threshold": 1e9, "warmup_steps": 1, "max_consecutive": 2}
 
 
 async def run(engine, rid: str, prompt: str, **params):
-    outs = [out async for out in engine.generate(rid, prompt, {**SIZE, **params})]
-    return np.stack(outs[-1].images), outs[-1].cache
+    outs = [out async for out in engine.generate(rid, prompt,
+                                                 {**SIZE, "float_output": True, **params})]
+    return outs[-1].float_images, outs[-1].cache
 
 
 def run_sync(coro):

@@ -32,7 +32,8 @@ stages:
     model: {dit}
     inputs: [first, second]
     input_processor: vllm_omni.processors:joined_text
-    sampling_params: {{height: 64, width: 64, num_inference_steps: 3, seed: 9}}
+    sampling_params: {{height: 64, width: 64, num_inference_steps: 3, seed: 9,
+                      float_output: true}}
     output: image
     final_output: true
 """

@@ -51,6 +51,7 @@ REQUESTS = [
                              "true_cfg_scale": 2.0}),
 ]
 STEPS = {"num_inference_steps": 2}
+FLOATS = {"float_output": True}  # compared as floats: asked of the engine
 
 
 def shm_segments() -> set[str]:
@@ -193,7 +194,8 @@ def test_concurrent_edits_equal_diffusers(two_stage, folder):
 
     async def one(i, prompt, image, dit):
         request = {"prompt": prompt, "multi_modal_data": {"image": image}}
-        return [o async for o in engine.generate(request, [None, {**STEPS, **dit}], f"e{i}")
+        return [o async for o in engine.generate(request, [None, {**STEPS, **dit, **FLOATS}],
+                                                 f"e{i}")
                 if o.finished]
 
     async def all_at_once():

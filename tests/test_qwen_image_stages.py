@@ -17,6 +17,7 @@ from vllm_omni.config.loader import BUILTIN_DIR
 from vllm_omni.testing.tiny_models import make_tiny
 
 SIZE = {"height": 32, "width": 48, "num_inference_steps": 2}
+FLOATS = {"float_output": True}  # compared as floats: asked of the engine
 # Prompts of different lengths, some with true CFG (two of them share a negative prompt).
 REQUESTS = [
     ("a cat", {"seed": 1}),
@@ -73,7 +74,8 @@ def test_concurrent_requests_equal_diffusers(two_stage, folder):
     engine = two_stage.engine
 
     async def one(i, prompt, dit):
-        outs = [o async for o in engine.generate(prompt, [None, {**SIZE, **dit}], f"r{i}")
+        outs = [o async for o in engine.generate(prompt, [None, {**SIZE, **dit, **FLOATS}],
+                                                 f"r{i}")
                 if o.finished]
         return outs
 

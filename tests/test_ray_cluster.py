@@ -53,7 +53,8 @@ stages:
     model: {dit}
     inputs: [first, second]
     input_processor: test_ray_cluster:text_and_states
-    sampling_params: {{height: 64, width: 64, num_inference_steps: 3, seed: 9}}
+    sampling_params: {{height: 64, width: 64, num_inference_steps: 3, seed: 9,
+                      float_output: true}}
     output: image
     final_output: true
     placement: {{resources: {{node_c: 1}}}}

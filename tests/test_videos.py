@@ -53,7 +53,8 @@ def reference(wan):
 
 async def _video(engine, rid: str, prompt: str, **params):
     steps = []
-    async for out in engine.generate(rid, prompt, {**SHAPE, **params}, None):
+    async for out in engine.generate(rid, prompt, {**SHAPE, "float_output": True, **params},
+                                     None):
         steps.append(out.step)
     return out, steps
 
@@ -93,13 +94,16 @@ def test_engine_batches_videos_equal_to_diffusers(wan, reference):
     for (prompt, kw), (out, steps) in zip(requests, results, strict=True):
         assert steps == list(range(1, kw["num_inference_steps"] + 1))
         assert out.images is None and out.fps == 16 and out.video.shape == (9, 32, 48, 3)
+        assert out.video.dtype == np.uint8  # 8-bit frames, the floats beside them as asked
         kw = dict(kw)
         kw.pop("cache", None)
         want = reference(prompt, kw.pop("seed"), **kw)
-        np.testing.assert_allclose(out.video, want, atol=1e-4, rtol=0, err_msg=prompt)
+        np.testing.assert_allclose(out.float_video, want, atol=1e-4, rtol=0, err_msg=prompt)
+        assert np.abs(out.video.astype(np.int16) - np.round(want * 255)).max() <= 1
     assert results[3][0].cache == {"method": "teacache", "computed_steps": 8, "cached_steps": 0}
-    assert skipping.cache["cached_steps"] > 0 and np.isfinite(skipping.video).all()
-    assert np.abs(skipping.video - results[0][0].video).max() > 1e-4  # it did skip work
+    assert skipping.cache["cached_steps"] > 0 and np.isfinite(skipping.float_video).all()
+    # it did skip work
+    assert np.abs(skipping.float_video - results[0][0].float_video).max() > 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +152,8 @@ def test_image_to_video_runs_whole_requests_equal_to_diffusers(wan_i2v, i2v_refe
 
         async def i2v(**params):
             outs = [o async for o in engine.generate("i2v", I2V["prompt"],
-                                                     {**SHAPE, **params}, [image])]
+                                                     {**SHAPE, "float_output": True, **params},
+                                                     [image])]
             return outs[-1]
 
         out = asyncio.run(i2v(seed=I2V["seed"], num_inference_steps=I2V["num_inference_steps"]))
@@ -158,7 +163,7 @@ def test_image_to_video_runs_whole_requests_equal_to_diffusers(wan_i2v, i2v_refe
         engine.shutdown()
     want = i2v_reference(0)
     assert out.fps == 16 and out.video.shape == (9, 32, 48, 3)
-    np.testing.assert_allclose(out.video, want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(out.float_video, want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow
@@ -200,7 +205,8 @@ def test_offline_generate_returns_the_video(wan, reference, capsys):
     with OmniLLM(str(wan)) as llm:
         assert llm.pipeline.name == "video"
         outs = llm.generate(["a red cat", "a blue dog"],
-                            DiffusionParams(seed=3, num_inference_steps=4, **SHAPE))
+                            DiffusionParams(seed=3, num_inference_steps=4, float_output=True,
+                                            **SHAPE))
     for prompt, out in zip(["a red cat", "a blue dog"], outs, strict=True):
         assert out.output_type == "video" and out.video.fps == 16
         assert len(out.video.frames) == 9 and out.video.frames[0].size == (48, 32)

@@ -39,13 +39,14 @@ class OmniRequestOutput:
     Which fields are set follows the stage's `output` type in the pipeline config:
 
     - ``text`` / ``tokens``: ``outputs`` holds vLLM's ``CompletionOutput`` per choice
-      (text, token_ids, finish_reason, logprobs). While streaming (``RequestOutputKind.DELTA``)
-      each output carries only the new text and tokens; otherwise the whole text so far.
-    - ``image``: ``images`` holds PIL images (one per requested image) and
-      ``tensors["images"]`` the float images they were rounded from (N, H, W, 3 in [0, 1]);
-      ``metrics`` has ``step`` / ``num_steps`` (progress while not finished) and ``seed``.
-    - ``video``: ``video`` holds the frames (PIL) and fps, ``tensors["video"]`` the float
-      frames they were rounded from (F, H, W, 3 in [0, 1]); ``metrics`` as for images.
+      (text, token_ids, finish_reason, logprobs): the whole text so far (stages report
+      cumulative outputs; a stream's deltas are made by whoever streams).
+    - ``image``: ``images`` holds PIL images (one per requested image); with the diffusion
+      parameter ``float_output``, ``tensors["images"]`` also holds the float images they were
+      rounded from (N, H, W, 3 in [0, 1]); ``metrics`` has ``step`` / ``num_steps``
+      (progress while not finished) and ``seed``.
+    - ``video``: ``video`` holds the frames (PIL) and fps (with ``float_output``,
+      ``tensors["video"]`` the float frames, F, H, W, 3 in [0, 1]); ``metrics`` as for images.
     - ``audio``: ``audio`` holds the waveform so far (a streamed request gets one output per
       chunk; ``metrics["new_samples"]`` is what the chunk added); ``metrics["input_complete"]``
       says whether all codes had arrived when it was made.

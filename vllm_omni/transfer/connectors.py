@@ -47,6 +47,10 @@ class ShmHandle:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors)
+
     def as_data(self) -> dict:
         """Plain data, for channels that carry no dataclasses (vLLM's RPC, extra_args)."""
         return {

@@ -18,27 +18,6 @@ import torch
 ONE_THIRD, TWO_THIRDS = 1 / 3, 2 / 3
 
 
-class RememberedSpeakerEncoder(torch.nn.Module):
-    """The DiT's speaker encoder, computed once per batch instead of once per evaluation.
-
-    HF's DiT encodes the reference mel at every call, and the solver calls it 36 times per
-    batch with the same reference mels (a third of a small window's DiT time on the tiny
-    model). This wrapper returns the last result while its input is unchanged."""
-
-    def __init__(self, encoder: torch.nn.Module) -> None:
-        super().__init__()
-        self.encoder = encoder
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        last = self._last
-        if last is not None and last[0].shape == mel.shape and torch.equal(last[0], mel):
-            return last[1]
-        out = self.encoder(mel)
-        self._last = (mel, out)
-        return out
-
-
 def flow_times(num_steps: int, sway: float | None, dtype: torch.dtype) -> torch.Tensor:
     t = torch.linspace(0, 1, num_steps, dtype=dtype)
     if sway is not None:

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import torch
 
 from vllm_omni.engine.diffusion.batch_sizer import BatchSizer
 from vllm_omni.engine.diffusion.cache import CacheConfig
@@ -85,6 +86,25 @@ class EngineOptions:
                                  f"engine runs on {self.device}")
 
 
+def to_pixels(floats: np.ndarray) -> np.ndarray:
+    """Images in [0, 1] as 8-bit pixels, rounded as diffusers' `numpy_to_pil` does."""
+    return (floats * 255).round().astype(np.uint8)
+
+
+def result_tensors(r: DiffusionRequest) -> dict[str, torch.Tensor]:
+    """What a finished request hands back through shared memory: its latents (for the next
+    stage), or its images or frames as 8-bit pixels, with their floats where asked."""
+    if r.params.output == "latent":
+        return {"latents": r.latents}
+    if r.video is None and not r.images:
+        return {}
+    name, floats = ("video", r.video) if r.video is not None else ("images", np.stack(r.images))
+    tensors = {name: torch.from_numpy(to_pixels(floats))}
+    if r.params.float_output:
+        tensors[f"float_{name}"] = torch.from_numpy(np.ascontiguousarray(floats))
+    return tensors
+
+
 @dataclass
 class DiffusionOutput(CoreOutput):
     """Progress (`step` of `num_steps`) or the result of one request. A latent-only request's
@@ -93,10 +113,15 @@ class DiffusionOutput(CoreOutput):
 
     step: int = 0
     num_steps: int = 0
+    # The finished images, 8-bit (height x width x 3). They leave the core in shared memory
+    # (`handle`); the client reads them into these fields.
     images: list[np.ndarray] | None = None
-    # A video pipeline's result instead: frames x height x width x 3 in [0, 1], and its rate.
+    # A video pipeline's result instead: frames x height x width x 3, 8-bit, and its rate.
     video: np.ndarray | None = None
     fps: int | None = None
+    # What they were rounded from (in [0, 1]), for requests with `float_output`.
+    float_images: np.ndarray | None = None
+    float_video: np.ndarray | None = None
     # Step-cache stats of a finished request: method, computed_steps, cached_steps.
     cache: dict[str, Any] | None = None
     # A parallel stage: seconds rank 0 spent in collectives during the request's steps
@@ -274,11 +299,11 @@ class DiffusionCore(CoreBase):
             return
         for r in group:
             self.drop(r.request_id)
+            tensors = result_tensors(r)
             self.send(DiffusionOutput(
                 r.request_id, finished=True, seed=r.params.seed, step=r.num_steps,
-                num_steps=r.num_steps, images=r.images, cache=r.cache_stats(),
+                num_steps=r.num_steps, cache=r.cache_stats(),
                 comm_seconds=r.extras.get("comm"),
-                video=r.video, fps=r.params.fps if r.video is not None else None,
-                handle=(self.connector.put({"latents": r.latents})
-                        if r.params.output == "latent" else None),
+                fps=r.params.fps if r.video is not None else None,
+                handle=self.connector.put(tensors) if tensors else None,
             ))

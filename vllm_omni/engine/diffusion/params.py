@@ -34,6 +34,9 @@ class DiffusionParams(BaseModel):
     # How far an input image is noised before denoising (image-to-image pipelines).
     strength: float | None = Field(default=None, gt=0.0, le=1.0)
     output: Literal["image", "latent"] = "image"
+    # Also the float images (or frames) the 8-bit ones were rounded from (N or F x H x W x 3
+    # in [0, 1]): four times the bytes, so only where a caller asks.
+    float_output: bool = False
     # Step caching; fields given here override the server's --cache-config field by field.
     cache: CacheConfig | None = None
 

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import prometheus_client
 import torch
+from PIL import Image
 
 from vllm_omni.config.kinds import StartContext
 from vllm_omni.config.memory import RUNTIME, TORCH_BYTES, StagePlan, read_config, weights_bytes
@@ -75,12 +75,6 @@ def split_prompt(prompt: Any) -> tuple[str, list[Any], list[dict[str, Any]]]:
         return (prompt["prompt"], images if isinstance(images, list) else [images],
                 list(prompt.get("conditioning") or []))
     raise ValueError(f"a diffusion stage takes a text prompt, got {type(prompt).__name__}")
-
-
-def to_pil(image: np.ndarray):
-    from PIL import Image
-
-    return Image.fromarray((image * 255).round().astype("uint8"))
 
 
 class DiffusionStage(EngineStage):
@@ -224,15 +218,17 @@ class DiffusionStage(EngineStage):
                          "cache": out.cache},
             )
             if out.finished:
-                images = out.images
+                images, floats = out.images, out.float_images
                 if out.video is not None and self.config.output == "video":
-                    result.video = VideoOutput([to_pil(f) for f in out.video], out.fps)
-                    result.tensors = {"video": torch.from_numpy(out.video)}
+                    result.video = VideoOutput([Image.fromarray(f) for f in out.video],
+                                               out.fps)
+                    if out.float_video is not None:
+                        result.tensors = {"video": torch.from_numpy(out.float_video)}
                 elif out.video is not None:  # a stage that outputs images: one per frame
-                    images = list(out.video)
-                result.images = [to_pil(i) for i in images or []]
-                if images:  # the exact float images, beside the 8-bit PIL ones
-                    result.tensors = {"images": torch.from_numpy(np.stack(images))}
+                    images, floats = list(out.video), out.float_video
+                result.images = [Image.fromarray(i) for i in images or []]
+                if images and floats is not None:  # the floats the 8-bit images came from
+                    result.tensors = {"images": torch.from_numpy(floats)}
                 if out.handle is not None:  # resolved only where a caller receives them
                     result.tensor_handles = {"latents": out.handle}
                     # Latents asked of an image stage: the caller gets them (the
