@@ -18,9 +18,9 @@ from conftest import pipeline_llm
 from vllm.usage.usage_lib import UsageContext
 
 from vllm_omni.config.loader import parse_pipeline
-from vllm_omni.config.memory import plan_pipeline
 from vllm_omni.config.placement import PlacementError
 from vllm_omni.engine.diffusion import AsyncDiffusionEngine, EngineOptions
+from vllm_omni.orchestrator.memory import plan_pipeline
 from vllm_omni.testing.tiny_models import make_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

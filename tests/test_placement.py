@@ -11,8 +11,9 @@ from conftest import MAX_MODEL_LEN, pipeline_llm
 from vllm.usage.usage_lib import UsageContext
 
 from vllm_omni.config import parse_pipeline
-from vllm_omni.config.memory import device_memory, plan_pipeline, weights_bytes
 from vllm_omni.config.placement import GIB, PlacementError
+from vllm_omni.engine.memory import weights_bytes
+from vllm_omni.orchestrator.memory import device_memory, plan_pipeline
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts a machine without CUDA")
 

@@ -388,8 +388,8 @@ def test_a_stage_bundle_follows_device_ranks_and_resources():
     from pydantic import ValidationError
 
     from vllm_omni.cluster.placement import shortfall, stage_bundle
-    from vllm_omni.config.kinds import StartContext
     from vllm_omni.config.schema import StageConfig
+    from vllm_omni.engine.stage import StartContext
 
     def bundle(**stage):
         return stage_bundle(StageConfig(name="s", **stage), StartContext("m"))

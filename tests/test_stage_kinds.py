@@ -14,9 +14,9 @@ import yaml
 from vllm.outputs import CompletionOutput
 
 from vllm_omni.config import PipelineConfigError, parse_pipeline
-from vllm_omni.config.kinds import StartContext, register_stage_kind
-from vllm_omni.config.memory import StagePlan
-from vllm_omni.engine.stage import EngineStage, Stage, StageInfo
+from vllm_omni.config.kinds import register_stage_kind
+from vllm_omni.engine.memory import StagePlan
+from vllm_omni.engine.stage import EngineStage, Stage, StageInfo, StartContext
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
 from vllm_omni.outputs import OmniRequestOutput
 

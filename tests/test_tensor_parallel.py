@@ -15,9 +15,9 @@ from vllm import SamplingParams
 from vllm.usage.usage_lib import UsageContext
 
 from vllm_omni.config import parse_pipeline
-from vllm_omni.config.memory import plan_pipeline
 from vllm_omni.config.placement import PlacementError
 from vllm_omni.engine.ar.parallel import BIND_ENV
+from vllm_omni.orchestrator.memory import plan_pipeline
 
 PROMPTS = ["Hello, my name is", "Tell me a story about a cat and a dog", "one"]
 CORES = sorted(os.sched_getaffinity(0))

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_omni.config.kinds import StartContext
 from vllm_omni.config.placement import PlacementError, stage_device
 from vllm_omni.config.schema import StageConfig
+from vllm_omni.engine.stage import StartContext
 
 
 def stage_bundle(config: StageConfig, context: StartContext) -> dict[str, float]:
     """The resources of a stage's actor, from its device, ranks and placement."""
-    plan = context.memory_plan.stage(config.name) if context.memory_plan else None
+    plan = (context.stage_plans or {}).get(config.name)
     device = plan.device if plan else stage_device(config)
     args = config.engine_args
     ranks = plan.ranks if plan else (int(args.get("tensor_parallel_size", 1))

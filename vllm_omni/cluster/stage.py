@@ -28,9 +28,9 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm_omni.cluster.actor import hosted_class
 from vllm_omni.cluster.connect import connect
 from vllm_omni.cluster.placement import reserve
-from vllm_omni.config.kinds import StartContext, stage_kind
+from vllm_omni.config.kinds import stage_kind
 from vllm_omni.config.schema import PipelineConfig, StageConfig
-from vllm_omni.engine.stage import StageInfo
+from vllm_omni.engine.stage import StageInfo, StartContext
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)

@@ -1,52 +1,34 @@
 """The registry of stage kinds: what a stage config's `engine:` may name.
 
 Each kind is a class implementing engine/stage.py's `StageKind`, registered by import path so
-that reading a config imports an engine only when a stage of its kind is checked or started.
-A plugin adds its own kind with `register_stage_kind("name", "package.module:Class")`.
+that reading a config imports an engine only when a stage of its kind is checked or started
+(and so that this layer imports nothing of the engines). A plugin adds its own kind with
+`register_stage_kind("name", "package.module:Class")`.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from vllm_omni.config.memory import MemoryPlan
-    from vllm_omni.config.schema import StageConfig
-    from vllm_omni.engine.stage import Stage, StageKind
+
+class Capability(StrEnum):
+    """What a stage kind can do beyond the contract every kind implements: its class lists
+    them in `capabilities`, and configs, the memory plan and the server ask by name."""
+
+    STREAMED_INPUT = "streamed_input"  # takes `stream_inputs` edges (chunks via add_input)
+    HIDDEN_STATES = "hidden_states"  # the `hidden_states` and `step_inputs` options
+    SUBFOLDER = "subfolder"  # a model in a subfolder of the pipeline's model folder
+    KV_CACHE = "kv_cache"  # holds a KV cache the memory plan sizes
+    TEXT_ANSWER = "text_answer"  # its text can answer a request (takes OpenAI's fields)
 
 _KINDS: dict[str, str] = {
     "ar": "vllm_omni.engine.ar.stage:ARStage",
     "diffusion": "vllm_omni.engine.diffusion.stage:DiffusionStage",
     "code2wav": "vllm_omni.engine.code2wav.stage:Code2WavStage",
 }
-
-
-@dataclass
-class StartContext:
-    """What a stage is planned and started with beside its own config."""
-
-    model: str  # the model the pipeline is served for (a stage's own `model` wins)
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # the caller's engine args
-    usage_context: Any = None  # vLLM's UsageContext
-    cache_config: dict[str, Any] | None = None  # the server's step caching (diffusion)
-    memory_plan: MemoryPlan | None = None  # set once planned, before stages start
-    # Degrees for every diffusion stage (ulysses_degree, ring_degree, cfg_parallel_size),
-    # over the stages' own engine_args (the CLI's --ulysses-degree...).
-    diffusion_parallel: dict[str, int] | None = None
-    # Where stages start: None, in this process through their kind; a Ray cluster's
-    # launcher (cluster/stage.py) starts each as an actor and returns its proxy.
-    launcher: Callable[[StageConfig, StartContext], Stage] | None = None
-
-
-def start_stage(config: StageConfig, context: StartContext) -> Stage:
-    """Start a stage where the context says: through its launcher, else its kind."""
-    if context.launcher is not None:
-        return context.launcher(config, context)
-    return stage_kind(config.engine).start(config, context)
 
 
 def register_stage_kind(name: str, path: str) -> None:
@@ -61,7 +43,8 @@ def kind_names() -> list[str]:
 
 
 @cache
-def stage_kind(name: str) -> StageKind:
+def stage_kind(name: str) -> Any:
+    """The class registered as `name` (a `StageKind`, engine/stage.py)."""
     if name not in _KINDS:
         raise ValueError(f"unknown stage kind {name!r}; known: {kind_names()}")
     module, _, cls = _KINDS[name].partition(":")

@@ -1,7 +1,7 @@
 """Where stages run: each stage's device, checked before any engine starts.
 
 A stage's `placement` names its device (and optionally a memory budget, which the memory
-plan in config/memory.py honours). Start-up fails with every problem at once, named by
+plan in orchestrator/memory.py honours). Start-up fails with every problem at once, named by
 stage: a device this machine lacks, or an AR stage on a device vLLM cannot put it on.
 """
 

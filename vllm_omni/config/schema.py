@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from vllm_omni.config.kinds import kind_names, stage_kind
+from vllm_omni.config.kinds import Capability, kind_names, stage_kind
 
 OutputType = Literal["text", "tokens", "hidden_states", "image", "video", "audio", "latent"]
 
@@ -181,13 +181,16 @@ class StageConfig(BaseModel):
             )
         if self.inputs and self.input_processor is None:
             raise ValueError("a stage with inputs needs an input_processor")
-        if not kind.autoregressive and (self.hidden_states or self.step_inputs):
-            raise ValueError("hidden_states and step_inputs are options of 'ar' stages")
-        if not kind.autoregressive and self.subfolder is not None:
-            raise ValueError("subfolder is an option of 'ar' stages")
+        if (Capability.HIDDEN_STATES not in kind.capabilities
+                and (self.hidden_states or self.step_inputs)):
+            raise ValueError("hidden_states and step_inputs are options of "
+                             f"{_takers(Capability.HIDDEN_STATES)} stages")
+        if Capability.SUBFOLDER not in kind.capabilities and self.subfolder is not None:
+            raise ValueError(f"subfolder is an option of {_takers(Capability.SUBFOLDER)} stages")
         if self.stream_inputs:
-            if not kind.streamed_input:
-                takers = [k for k in kind_names() if stage_kind(k).streamed_input]
+            if Capability.STREAMED_INPUT not in kind.capabilities:
+                takers = [k for k in kind_names()
+                          if Capability.STREAMED_INPUT in stage_kind(k).capabilities]
                 raise ValueError(f"stream_inputs: only {', '.join(takers)} stages take "
                                  "streamed input")
             if list(self.stream_inputs) != self.inputs or len(self.inputs) != 1:
@@ -260,3 +263,8 @@ class PipelineConfig(BaseModel):
 
     def consumers(self, name: str) -> list[StageConfig]:
         return [s for s in self.stages if name in s.inputs]
+
+
+def _takers(capability: Capability) -> str:
+    """The kinds with a capability, as a config error names them ('ar')."""
+    return ", ".join(repr(k) for k in kind_names() if capability in stage_kind(k).capabilities)

@@ -7,15 +7,42 @@ orchestrator reaches every stage through these two interfaces only.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from vllm_omni.config.kinds import StartContext
-    from vllm_omni.config.memory import StagePlan
     from vllm_omni.config.schema import StageConfig
+    from vllm_omni.engine.memory import StagePlan
     from vllm_omni.outputs import OmniRequestOutput
+
+
+@dataclass
+class StartContext:
+    """What a stage is planned and started with beside its own config."""
+
+    model: str  # the model the pipeline is served for (a stage's own `model` wins)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # the caller's engine args
+    usage_context: Any = None  # vLLM's UsageContext
+    cache_config: dict[str, Any] | None = None  # the server's step caching (diffusion)
+    # Each stage's share of the memory plan (orchestrator/memory.py), set once planned,
+    # before stages start.
+    stage_plans: dict[str, StagePlan] | None = None
+    # Degrees for every diffusion stage (ulysses_degree, ring_degree, cfg_parallel_size),
+    # over the stages' own engine_args (the CLI's --ulysses-degree...).
+    diffusion_parallel: dict[str, int] | None = None
+    # Where stages start: None, in this process through their kind; a Ray cluster's
+    # launcher (cluster/stage.py) starts each as an actor and returns its proxy.
+    launcher: Callable[[StageConfig, StartContext], Stage] | None = None
+
+
+def start_stage(config: StageConfig, context: StartContext) -> Stage:
+    """Start a stage where the context says: through its launcher, else its kind."""
+    from vllm_omni.config.kinds import stage_kind
+
+    if context.launcher is not None:
+        return context.launcher(config, context)
+    return stage_kind(config.engine).start(config, context)
 
 
 @dataclass(frozen=True)
@@ -54,9 +81,10 @@ class Stage(Protocol):
     prompt for an entry stage) and its parameters (from `sampling_params`), and yields
     `OmniRequestOutput`s until one with `finished`. With `input_complete` false, the prompt
     is the first part of the input and `add_input` brings the rest (a streamed edge; only
-    kinds with `streamed_input` are given one). With `keep_hidden_states`, the finished
-    output carries the request's hidden states as `tensor_handles["hidden_states"]`
-    (AR kinds). Leaving the iteration early stops the request in the engine.
+    kinds with the `streamed_input` capability are given one). With `keep_hidden_states`,
+    the finished output carries the request's hidden states as
+    `tensor_handles["hidden_states"]` (AR kinds). Leaving the iteration early stops the
+    request in the engine.
 
     Outputs are cumulative: each holds the whole output so far (text and tokens, audio),
     whatever the parameters ask for (a caller that wants deltas makes them); parameters
@@ -111,10 +139,8 @@ class StageKind(Protocol):
     """The class of a stage kind: facts and checks that need no running engine."""
 
     outputs: ClassVar[frozenset[str]]  # the output types its stages can make
-    streamed_input: ClassVar[bool]  # takes `stream_inputs` edges
-    # vLLM's engine: stages of this kind hold a KV cache, render chat prompts, take OpenAI
-    # sampling fields, and have the `hidden_states` / `step_inputs` options.
-    autoregressive: ClassVar[bool]
+    # What it can do beyond this contract, by name (config/kinds.py's `Capability`).
+    capabilities: ClassVar[frozenset[str]]
 
     @classmethod
     def check_engine_args(cls, args: dict[str, Any]) -> None:
@@ -144,6 +170,15 @@ class StageKind(Protocol):
         """What the stage will hold, from its model's files; starts nothing."""
 
     @classmethod
+    def joint_problems(cls, plans: list[StagePlan]) -> list[str]:
+        """Why the plans of this kind's stages cannot all start together (sentences)."""
+
+    @classmethod
+    def apply_budget(cls, plan: StagePlan, device_totals: dict[str, int]) -> None:
+        """Turn the plan's budget into the stage's engine settings (`plan.engine_args`),
+        once the pipeline's plan is settled; `device_totals`: bytes of each device."""
+
+    @classmethod
     def start(cls, config: StageConfig, context: StartContext) -> Stage:
         """Start the stage's engine; returns once it serves."""
 
@@ -157,8 +192,15 @@ class EngineStage:
     name: str
     info: StageInfo
     renderer: Any = None
-    autoregressive: ClassVar[bool] = False
-    streamed_input: ClassVar[bool] = False
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def joint_problems(cls, plans: list[StagePlan]) -> list[str]:
+        return []
+
+    @classmethod
+    def apply_budget(cls, plan: StagePlan, device_totals: dict[str, int]) -> None:
+        pass  # engines that size nothing from a budget
 
     def sampling_params(self, given: Any) -> Any:
         return self.request_params(self.info, given)

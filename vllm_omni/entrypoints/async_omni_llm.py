@@ -20,9 +20,9 @@ from vllm.plugins import load_general_plugins
 from vllm.usage.usage_lib import UsageContext
 
 from vllm_omni.config import PipelineConfig, StageConfig, resolve_pipeline
-from vllm_omni.config.kinds import StartContext, stage_kind
+from vllm_omni.config.kinds import Capability, stage_kind
 from vllm_omni.engine.diffusion.params import DiffusionParams
-from vllm_omni.engine.stage import Stage
+from vllm_omni.engine.stage import Stage, StartContext
 from vllm_omni.orchestrator.orchestrator import Orchestrator
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -111,14 +111,15 @@ class AsyncOmniLLM:
     @property
     def text_stage(self) -> Stage | None:
         """The stage whose text is the request's text answer (OpenAI sampling params go here):
-        the final text stage, else the first autoregressive stage that writes text or
+        the final text stage, else the first stage able to answer in text that writes text or
         tokens; None without one (a text encoder whose hidden states feed a DiT is not one:
         chat draws the last user message, as on a diffusion pipeline)."""
         final = self._final_stage("text")
         if final is not None:
             return final
         ar = [self.stages[s.name] for s in self.order
-              if stage_kind(s.engine).autoregressive and s.output in ("text", "tokens")]
+              if Capability.TEXT_ANSWER in stage_kind(s.engine).capabilities
+              and s.output in ("text", "tokens")]
         return ar[0] if ar else None
 
     @property

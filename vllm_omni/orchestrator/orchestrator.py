@@ -17,12 +17,11 @@ from typing import Any
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_omni.config import PipelineConfig, StageConfig
-from vllm_omni.config.kinds import StartContext, start_stage
 from vllm_omni.config.loader import load_function
-from vllm_omni.config.memory import plan_pipeline
 from vllm_omni.config.schema import MODALITY_OF_OUTPUT
-from vllm_omni.engine.stage import Stage
+from vllm_omni.engine.stage import Stage, StartContext, start_stage
 from vllm_omni.errors import StageStartError
+from vllm_omni.orchestrator.memory import plan_pipeline
 from vllm_omni.orchestrator.request import InputProcessor, RequestRun, stage_request_id
 from vllm_omni.orchestrator.supervisor import StageSupervisor
 from vllm_omni.outputs import OmniRequestOutput
@@ -54,10 +53,10 @@ class Orchestrator:
         self.processors = {s.name: load_input_processor(s.input_processor)
                            for s in pipeline.stages if s.input_processor}
         # Before any engine starts: a plan that cannot fit fails here, all problems named.
-        context.memory_plan = plan_pipeline(pipeline, context.model, context.engine_kwargs,
-                                            context.usage_context, context.cache_config,
-                                            diffusion_parallel=context.diffusion_parallel)
-        self.memory_plan = context.memory_plan
+        self.memory_plan = plan_pipeline(pipeline, context.model, context.engine_kwargs,
+                                         context.usage_context, context.cache_config,
+                                         diffusion_parallel=context.diffusion_parallel)
+        context.stage_plans = {p.stage: p for p in self.memory_plan.stages}
         logger.info("Memory plan of pipeline %r (GiB):\n%s", pipeline.name,
                     self.memory_plan.table())
         self._start(context)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from vllm_omni.config.kinds import StartContext, start_stage
+from vllm_omni.engine.stage import StartContext, start_stage
 
 if TYPE_CHECKING:
     from vllm_omni.orchestrator.orchestrator import Orchestrator

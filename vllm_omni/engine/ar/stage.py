@@ -17,13 +17,13 @@ from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from vllm_omni.config.kinds import StartContext
+from vllm_omni.config.kinds import Capability
 from vllm_omni.config.loader import load_function
-from vllm_omni.config.memory import AR_RANK_RUNTIME, RUNTIME, StagePlan, weights_bytes
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.ar import hidden_states, parallel, step_inputs
 from vllm_omni.engine.ar.worker import worker_class_path
-from vllm_omni.engine.stage import EngineStage, StageInfo
+from vllm_omni.engine.memory import AR_RANK_RUNTIME, RUNTIME, StagePlan, weights_bytes
+from vllm_omni.engine.stage import EngineStage, StageInfo, StartContext
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.transfer.connectors import SharedMemoryConnector, ShmHandle
 
@@ -103,7 +103,9 @@ class ARStage(EngineStage):
     continuous batching, paged KV cache and renderer (chat templates, multimodal inputs)."""
 
     outputs: ClassVar[frozenset[str]] = frozenset({"text", "tokens", "hidden_states"})
-    autoregressive: ClassVar[bool] = True
+    capabilities: ClassVar[frozenset[str]] = frozenset({
+        Capability.HIDDEN_STATES, Capability.SUBFOLDER, Capability.KV_CACHE,
+        Capability.TEXT_ANSWER})
 
     # -- the kind ------------------------------------------------------------------------
 
@@ -187,6 +189,22 @@ class ARStage(EngineStage):
         )
 
     @classmethod
+    def joint_problems(cls, plans: list[StagePlan]) -> list[str]:
+        return parallel.binding_conflicts({p.stage: p.env.get(parallel.BIND_ENV)
+                                           for p in plans if p.device == "cpu"})
+
+    @classmethod
+    def apply_budget(cls, plan: StagePlan, device_totals: dict[str, int]) -> None:
+        if plan.source in ("planned", "placement.memory_gib"):
+            # vLLM sizes the KV cache of each rank (worker process).
+            plan.engine_args["kv_cache_memory_bytes"] = plan.kv_cache // plan.ranks
+        if plan.device != "cpu" and plan.source != "gpu_memory_utilization":
+            # vLLM checks that this fraction of each rank's device is free at start: stages
+            # sharing a device ask for fractions that add up.
+            plan.engine_args["gpu_memory_utilization"] = min(
+                max(plan.total * plan.share(d) / device_totals[d] for d in plan.devices), 1.0)
+
+    @classmethod
     def start(cls, config: StageConfig, context: StartContext) -> ARStage:
         return cls(config, context)
 
@@ -195,7 +213,7 @@ class ARStage(EngineStage):
     def __init__(self, config: StageConfig, context: StartContext) -> None:
         self.config = config
         self.name = config.name
-        plan = context.memory_plan.stage(config.name) if context.memory_plan else None
+        plan = (context.stage_plans or {}).get(config.name)
         engine_args = stage_engine_args(context.model, config, context.engine_kwargs,
                                         plan.engine_args if plan else None)
         if plan is not None:

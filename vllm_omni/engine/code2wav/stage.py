@@ -10,12 +10,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from vllm_omni.config.kinds import StartContext
-from vllm_omni.config.memory import RUNTIME, TORCH_BYTES, StagePlan, weights_bytes
+from vllm_omni.config.kinds import Capability
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.code2wav.core import Code2WavCore, Code2WavOptions, check_params
+from vllm_omni.engine.memory import RUNTIME, TORCH_BYTES, StagePlan, weights_bytes
 from vllm_omni.engine.runtime import EngineClient
-from vllm_omni.engine.stage import EngineStage, StageInfo
+from vllm_omni.engine.stage import EngineStage, StageInfo, StartContext
 from vllm_omni.outputs import AudioOutput, OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class Code2WavStage(EngineStage):
     """A stage that voices codec tokens (Qwen2.5-Omni's token2wav), whole or as they come."""
 
     outputs: ClassVar[frozenset[str]] = frozenset({"audio"})
-    streamed_input: ClassVar[bool] = True
+    capabilities: ClassVar[frozenset[str]] = frozenset({Capability.STREAMED_INPUT})
 
     # -- the kind ------------------------------------------------------------------------
 

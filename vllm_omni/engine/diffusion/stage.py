@@ -14,13 +14,12 @@ import prometheus_client
 import torch
 from PIL import Image
 
-from vllm_omni.config.kinds import StartContext
-from vllm_omni.config.memory import RUNTIME, TORCH_BYTES, StagePlan, read_config, weights_bytes
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.diffusion.client import AsyncDiffusionEngine
 from vllm_omni.engine.diffusion.core import EngineOptions
 from vllm_omni.engine.diffusion.params import DiffusionParams
-from vllm_omni.engine.stage import EngineStage, StageInfo
+from vllm_omni.engine.memory import RUNTIME, TORCH_BYTES, StagePlan, read_config, weights_bytes
+from vllm_omni.engine.stage import EngineStage, StageInfo, StartContext
 from vllm_omni.outputs import OmniRequestOutput, VideoOutput
 
 logger = logging.getLogger(__name__)

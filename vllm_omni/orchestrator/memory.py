@@ -9,81 +9,31 @@ what is free (after a headroom), each keeping at least one full-length sequence.
 user sets (VLLM_CPU_KVCACHE_SPACE, kv_cache_memory_bytes, gpu_memory_utilization,
 placement.memory_gib) wins. A plan that cannot fit fails with every problem named.
 
-The plan is handed to the engines as settings: `kv_cache_memory_bytes` for AR stages (and
-`gpu_memory_utilization` on GPUs, so stages sharing a device ask for fractions that add up).
+Each stage's kind turns its budget into its engine's settings (`apply_budget`): for AR
+stages `kv_cache_memory_bytes` (and `gpu_memory_utilization` on GPUs, so stages sharing a
+device ask for fractions that add up).
 Figures other than weights and KV are estimates; the plan shows them so they can be checked.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import struct
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from vllm_omni.config.kinds import StartContext, stage_kind
+from vllm_omni.config.kinds import Capability, stage_kind
 from vllm_omni.config.placement import GIB, PlacementError, device_problems, stage_device
 from vllm_omni.config.schema import PipelineConfig, StageConfig
+from vllm_omni.engine.memory import StagePlan
+from vllm_omni.engine.stage import StartContext
 from vllm_omni.errors import StageStartError
 
 logger = logging.getLogger(__name__)
 
-MIB = 1 << 20
 HEADROOM = 0.10  # of what is free at start-up, left to everything else on the device
-# The engine processes' own memory (libraries, allocator pools, a CUDA context), by engine
-# ("ar": vLLM's core and worker; "other": one of our cores) and device type; measured.
-RUNTIME = {("ar", "cpu"): 1.5 * GIB, ("ar", "cuda"): 1.0 * GIB,
-           ("other", "cpu"): 0.6 * GIB, ("other", "cuda"): 0.75 * GIB}
-# Each further rank of an AR stage is one more vLLM worker process (on GPUs: its CUDA
-# context on its own device); measured with TP=2 on CPU.
-AR_RANK_RUNTIME = {"cpu": 0.9 * GIB, "cuda": 1.0 * GIB}
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
-                "BF16": 2, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-TORCH_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
-
-
-@dataclasses.dataclass
-class StagePlan:
-    """One stage's memory, in bytes, all its ranks together. `source` says who set the
-    budget. A stage with several ranks (AR tensor / pipeline parallel) holds 1/ranks of each
-    figure per rank; its ranks sit on `rank_devices` (all on "cpu", or one GPU each)."""
-
-    stage: str
-    engine: str
-    device: str
-    weights: int
-    kv_cache: int
-    activations: int
-    runtime: int
-    source: str = "planned"
-    # Settings handed to the engine (vLLM engine args for AR stages).
-    engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # AR stages: the KV cache the stage would like and the least it can run with.
-    kv_wanted: int = 0
-    kv_floor: int = 0
-    ranks: int = 1
-    rank_devices: list[str] = dataclasses.field(default_factory=list)  # default: [device]
-    # Environment the engine starts with (None: unset), e.g. its CPU thread binding.
-    env: dict[str, str | None] = dataclasses.field(default_factory=dict)
-    # What keeps the stage from starting as configured, as sentences naming it.
-    problems: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations + self.runtime
-
-    @property
-    def devices(self) -> list[str]:
-        return self.rank_devices or [self.device]
-
-    def share(self, device: str) -> float:
-        """The fraction of the stage that lives on `device`."""
-        return self.devices.count(device) / len(self.devices)
 
 
 @dataclasses.dataclass
@@ -143,44 +93,6 @@ def _gib(value: int) -> str:
     return f"{value / GIB:.3f}"
 
 
-# -- weights ------------------------------------------------------------------------------
-
-
-def _safetensors_header(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
-
-
-def weights_bytes(model: str, prefix: str | None = None, itemsize: int | None = None) -> int:
-    """Bytes the weights under a model folder take in memory: safetensors tensors (only those
-    whose names start with `prefix`, when given), floating ones at `itemsize` bytes per value
-    when given; other weight files by their size. 0 for a name that is not a local folder."""
-    folder = Path(model)
-    if not folder.is_dir():
-        return 0
-    total = 0
-    for f in sorted(folder.rglob("*")):
-        if f.suffix == ".safetensors":
-            for name, info in _safetensors_header(f).items():
-                if name == "__metadata__" or (prefix and not name.startswith(prefix)):
-                    continue
-                count = 1
-                for dim in info["shape"]:
-                    count *= dim
-                size = _DTYPE_BYTES.get(info["dtype"], 1)
-                floating = info["dtype"].startswith(("F", "BF"))
-                total += count * (itemsize if itemsize and floating else size)
-        elif f.suffix in {".bin", ".pt", ".pth"} and f.name != "spk_dict.pt" and not prefix:
-            total += f.stat().st_size
-    return total
-
-
-def read_config(path: Path) -> dict[str, Any]:
-    """A JSON config file's contents ({} when it is missing)."""
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 # -- the plan --------------------------------------------------------------------------------
 
 
@@ -212,7 +124,7 @@ def _user_budget(stage: StageConfig, plan: StagePlan, given: dict[str, Any],
     name = repr(stage.name)
     memory = stage.placement.memory_gib if stage.placement else None
     env_kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE") if plan.device == "cpu" else None
-    if not stage_kind(stage.engine).autoregressive:  # no KV cache to size
+    if Capability.KV_CACHE not in stage_kind(stage.engine).capabilities:
         if memory is not None:
             plan.source = "placement.memory_gib"
             plan.activations = max(int(memory * GIB) - plan.weights, 0)
@@ -286,7 +198,7 @@ def plan_pipeline(
         return stage_kind(stage.engine).memory_needs(stage, context, device)
 
     def given(stage: StageConfig) -> dict[str, Any]:
-        if not stage_kind(stage.engine).autoregressive:
+        if Capability.KV_CACHE not in stage_kind(stage.engine).capabilities:
             return {}
         return {**stage.engine_args, **engine_kwargs}
 
@@ -329,11 +241,9 @@ def plan_memory(
                 open_kv[d].append((plan, plan.share(d)))
     if unreadable:
         raise StageStartError(unreadable) from next(iter(unreadable.values()))
-    from vllm_omni.engine.ar.parallel import BIND_ENV, binding_conflicts
-
-    start_problems += binding_conflicts({
-        p.stage: p.env.get(BIND_ENV) for p in plans
-        if stage_kind(p.engine).autoregressive and p.device == "cpu"})
+    for engine in dict.fromkeys(p.engine for p in plans):
+        start_problems += stage_kind(engine).joint_problems(
+            [p for p in plans if p.engine == engine])
     if start_problems:
         raise PlacementError("the pipeline's parallel stages cannot start here:\n  "
                              + "\n  ".join(start_problems))
@@ -363,14 +273,5 @@ def plan_memory(
     for p in plans:
         if id(p) in kv_on:  # a stage over several devices gets what its tightest one allows
             p.kv_cache = int(min(kv_on[id(p)]))
-        if not stage_kind(p.engine).autoregressive:
-            continue
-        if p.source in ("planned", "placement.memory_gib"):
-            # vLLM sizes the KV cache of each rank (worker process).
-            p.engine_args["kv_cache_memory_bytes"] = p.kv_cache // p.ranks
-        if p.device != "cpu" and p.source != "gpu_memory_utilization":
-            # vLLM checks that this fraction of each rank's device is free at start: stages
-            # sharing a device ask for fractions that add up.
-            p.engine_args["gpu_memory_utilization"] = min(
-                max(p.total * p.share(d) / devices[d].total for d in p.devices), 1.0)
+        stage_kind(p.engine).apply_budget(p, {d: m.total for d, m in devices.items()})
     return MemoryPlan(plans, devices)
