@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import prometheus_client
 import psutil
 import pytest
 import yaml
@@ -126,20 +127,29 @@ def test_a_killed_rank_fails_the_request_naming_the_stage(parallel):
     def long_request():
         try:
             parallel.generate("a long one", [{"seed": 1, "num_inference_steps": 1000,
-                                                "height": 512, "width": 512}],
+                                                "height": 64, "width": 64}],
                               use_tqdm=False)
         except Exception as e:
             result["error"] = e
 
+    def steps_done() -> float:  # the stage counts the steps its engine reports, here
+        return prometheus_client.REGISTRY.get_sample_value(
+            "vllm_omni:diffusion_steps_total", {"stage": "dit"}) or 0.0
+
+    before = steps_done()
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(2)  # well into its steps
+    deadline = time.monotonic() + 60
+    while steps_done() < before + 2:  # into its steps
+        assert time.monotonic() < deadline and thread.is_alive(), result
+        time.sleep(0.05)
     killed_at = time.monotonic()
     ranks[0].kill()
     thread.join(30)
     assert not thread.is_alive()
     assert time.monotonic() - killed_at < 10
     assert "stage 'dit'" in str(result["error"])
+    assert "pixels" not in str(result["error"])  # it failed for the rank, not its size
     gone, alive = psutil.wait_procs([core, *ranks], timeout=10)
     assert not alive
 
