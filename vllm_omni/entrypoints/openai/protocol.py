@@ -198,6 +198,11 @@ def parse_model(model: type[BaseModel], data: dict[str, Any]) -> Any:
         field = ".".join(str(x) for x in err["loc"]) or None
         msg = f"{field}: {err['msg']}" if field else err["msg"]
         raise OmniHTTPError(HTTPStatus.BAD_REQUEST, msg, field) from None
+    except (TypeError, AttributeError, KeyError) as e:
+        # vLLM's "before" validators read fields before pydantic has checked their types
+        # (`"messages": false` meets a `for msg in messages`): still the body's fault.
+        raise OmniHTTPError(HTTPStatus.BAD_REQUEST,
+                            f"request body does not match the schema: {e}") from None
 
 
 def error_body(status: HTTPStatus, message: str, param: str | None = None) -> dict[str, Any]:
