@@ -160,9 +160,8 @@ class DiffusionCore(CoreBase):
                                       offload_type="leaf_level", use_stream=True)
         else:
             pipe.to(options.device)
-        self.adapter = adapter_for(pipe, options.device)
-        if ranks is not None:
-            self._parallel(ranks)
+        self.adapter = adapter_for(pipe, options.device, ranks)
+        self.parallel = ranks is not None
         self.defaults = options.defaults
         area = self.adapter.default_area()
         self.max_image_pixels = options.max_image_pixels or (
@@ -178,36 +177,8 @@ class DiffusionCore(CoreBase):
         self.progress_interval = options.progress_interval
         self._last_progress: dict[str, float] = {}
 
-    def _parallel(self, ranks) -> None:
-        from vllm_omni.engine.diffusion.parallel.driver import ParallelTransformer
-
-        a, layout = self.adapter, ranks.layout
-        if not a.step_level:
-            raise ValueError(f"{type(a.pipe).__name__} runs as whole requests: it cannot be "
-                             "split between ranks")
-        if layout.sequence > 1 and a.transformer_spec.output_sequence_dim is None:
-            raise ValueError(f"{type(a.pipe).__name__} has no sequence-parallel support")
-        spec = a.transformer_spec
-        runtime = ranks.connect(a.pipe.transformer, spec, a.modulated_input)
-        # The rank's runtime installed its own cache hooks on the transformer.
-        a.cache = runtime.cache
-        a.parallel = ParallelTransformer(ranks, runtime, spec)
-        a.sequence_parallel = layout.sequence
-
     def info(self) -> dict[str, Any]:
-        a = self.adapter
-        return {
-            "pipeline": type(a.pipe).__name__,
-            "family": a.family,
-            "step_level": a.step_level,
-            "takes_images": a.takes_images,
-            "makes_video": a.makes_video,
-            # What the API checks before it queues a job (None: the engine checks alone).
-            "size_multiple": getattr(a, "size_multiple", None),
-            "frame_step": getattr(a, "frame_step", None),
-            "defaults": a.defaults,
-            "max_image_pixels": self.max_image_pixels,
-        }
+        return {**self.adapter.info(), "max_image_pixels": self.max_image_pixels}
 
     # -- requests ------------------------------------------------------------------------
 
@@ -278,7 +249,7 @@ class DiffusionCore(CoreBase):
                     self.scheduler.sizer.record(batch[0].key, images, time.perf_counter() - start)
                 now = time.monotonic()
                 for r in batch:
-                    if self.adapter.parallel is not None:
+                    if self.parallel:
                         r.extras["comm"] = r.extras.get("comm", 0.0) + COMM.seconds - comm
                     last = self._last_progress.get(r.request_id, r.arrival_time)
                     if not r.denoised and now - last >= self.progress_interval:

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from vllm_omni.engine.diffusion.adapters.base import StepAdapter
+from vllm_omni.engine.diffusion.adapters.step import StepAdapter
+from vllm_omni.engine.diffusion.executor import TransformerExecutor
 from vllm_omni.engine.diffusion.parallel.rank import TransformerSpec
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 
@@ -20,8 +21,9 @@ class FluxAdapter(StepAdapter):
         output_sequence_dim=1,
     )
 
-    def __init__(self, pipe: Any, device: str | torch.device) -> None:
-        super().__init__(pipe, device)
+    def __init__(self, pipe: Any, device: str | torch.device,
+                 executor: TransformerExecutor) -> None:
+        super().__init__(pipe, device, executor)
         # A model whose T5 tokenizer says it takes fewer tokens than the pipeline's default
         # (512) was trained with that many: pad to it, not to 512.
         self.max_sequence_length = min(

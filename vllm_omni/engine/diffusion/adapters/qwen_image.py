@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_omni.engine.diffusion.adapters.base import StepAdapter
+from vllm_omni.engine.diffusion.adapters.step import StepAdapter
 from vllm_omni.engine.diffusion.parallel.rank import TransformerSpec
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from vllm_omni.engine.diffusion.adapters.base import StepAdapter
+from vllm_omni.engine.diffusion.adapters.step import StepAdapter
+from vllm_omni.engine.diffusion.executor import TransformerExecutor
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 
@@ -27,8 +28,9 @@ class WanAdapter(StepAdapter):
         models or timesteps inside the loop: those run as whole requests."""
         return pipe.config.boundary_ratio is None and not pipe.config.expand_timesteps
 
-    def __init__(self, pipe: Any, device: str | torch.device) -> None:
-        super().__init__(pipe, device)
+    def __init__(self, pipe: Any, device: str | torch.device,
+                 executor: TransformerExecutor) -> None:
+        super().__init__(pipe, device, executor)
         call = inspect.signature(type(pipe).__call__).parameters
         self.defaults.update(num_frames=call["num_frames"].default, fps=DEFAULT_FPS)
         del self.defaults["true_cfg_scale"]  # Wan has only guidance_scale
@@ -54,7 +56,8 @@ class WanAdapter(StepAdapter):
                 f"{self.frame_step + 1}, {2 * self.frame_step + 1}, ...), got {p.num_frames}")
         return p
 
-    def modulated_input(self, block, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def modulated_input(block, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         # Wan's block: shift and scale of its self-attention from its table plus the step's
         # projection (batch, 6, dim), over a plain layer norm.
         shift, scale = (block.scale_shift_table + temb.float()).chunk(6, dim=1)[:2]

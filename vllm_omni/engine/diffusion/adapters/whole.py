@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni.engine.diffusion.adapters.base import DiffusionAdapter
 from vllm_omni.engine.diffusion.cache import CacheConfig
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
@@ -21,17 +22,16 @@ _CALL_FIELDS = (
 VIDEO_FPS = 16
 
 
-class WholeRequestAdapter:
-    """Runs `pipeline(...)` as it is; to the scheduler each request is a single step."""
+class WholeRequestAdapter(DiffusionAdapter):
+    """Runs `pipeline(...)` as it is, in this process; to the scheduler each request is a
+    single step."""
 
     family = "whole-request"
     step_level = False
-    parallel = None  # whole requests run in one process
 
     def __init__(self, pipe: Any) -> None:
-        self.pipe = pipe
+        super().__init__(pipe)
         self.accepted = set(inspect.signature(type(pipe).__call__).parameters)
-        self.defaults: dict[str, Any] = {}
         # Video pipelines (Wan) count videos, not images, and return frames.
         self.makes_video = "num_videos_per_prompt" in self.accepted
         self.per_prompt = "num_videos_per_prompt" if self.makes_video else "num_images_per_prompt"
@@ -81,19 +81,10 @@ class WholeRequestAdapter:
         factor = getattr(self.pipe, "vae_scale_factor", None)
         return (size * factor) ** 2 if isinstance(size, int) and isinstance(factor, int) else None
 
-    def release(self, request_id: str) -> None:
-        """Nothing of a request outlives its call here."""
-
-    def input_defaults(self, images: list) -> dict[str, Any]:
-        return {}  # the pipeline call derives its own
-
     def conditioning_from_states(self, tensors: dict[str, torch.Tensor],
                                  length: int) -> dict[str, torch.Tensor]:
         raise ValueError(f"{type(self.pipe).__name__} runs whole requests: it takes no prompt "
                          "encoded upstream")
-
-    def check_conditioning(self, given: list[dict], params: DiffusionParams) -> None:
-        pass  # nothing comes encoded upstream: conditioning_from_states refuses it
 
     def check_cache(self, config: CacheConfig) -> None:
         if config.enabled:
@@ -105,13 +96,6 @@ class WholeRequestAdapter:
     @property
     def takes_images(self) -> bool:
         return "image" in self.accepted
-
-    def check_inputs(self, images: list) -> None:
-        if images and "image" not in self.accepted:
-            raise ValueError(f"{type(self.pipe).__name__} takes no input image")
-
-    def encode(self, reqs: list[DiffusionRequest]) -> None:
-        pass
 
     def prepare(self, req: DiffusionRequest) -> None:
         p = req.params
@@ -148,6 +132,3 @@ class WholeRequestAdapter:
                 r.images = list(result.images[start : start + r.params.num_images])
             start += r.params.num_images
             r.step = 1
-
-    def decode(self, reqs: list[DiffusionRequest]) -> None:
-        pass  # the pipeline call already decoded

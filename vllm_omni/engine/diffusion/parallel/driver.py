@@ -168,10 +168,16 @@ class RankGroup:
 
 
 class ParallelTransformer:
-    """The adapter's transformer call, run over every rank of the stage (on rank 0)."""
+    """The adapter's transformer call, run over every rank of the stage (on rank 0): a
+    TransformerExecutor (engine/diffusion/executor.py)."""
 
-    def __init__(self, ranks: RankGroup, runtime: RankRuntime, spec: TransformerSpec) -> None:
-        self.ranks, self.runtime, self.spec = ranks, runtime, spec
+    def __init__(self, ranks: RankGroup, transformer, spec: TransformerSpec,
+                 modulated_input) -> None:
+        self.ranks, self.spec = ranks, spec
+        self.runtime = ranks.connect(transformer, spec, modulated_input)
+        # The rank's runtime holds the cache hooks on this rank's transformer.
+        self.cache = self.runtime.cache
+        self.sequence_parallel = ranks.layout.sequence
         self._released: list[str] = []
 
     def release(self, request_id: str) -> None:
