@@ -182,6 +182,29 @@ def live_processes_in_group(pgid: int) -> list[int]:
     return found
 
 
+def wait_for(condition, what: str, timeout: float = 30, interval: float = 0.1) -> None:
+    """Poll `condition` until it is true; fail naming `what` after `timeout` seconds.
+    A fixed sleep is too short on a loaded machine and too long on an idle one."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout:.0f} s"
+        time.sleep(interval)
+
+
+def settles(read, quiet: float, timeout: float = 30, interval: float = 0.1):
+    """`read()` once it has not changed for `quiet` seconds (fails after `timeout`): work
+    that should stop, seen stopping."""
+    deadline = time.monotonic() + timeout
+    value, since = read(), time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, f"still changing after {timeout:.0f} s: {value}"
+        time.sleep(interval)
+        now = read()
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
+
+
 API_KEY = "test-key"
 SERVED_NAME = "tiny-chat"
 
@@ -214,7 +237,8 @@ def demo_server(tmp_path_factory):
     """The README's first command (`vllm serve --omni`, the built-in demo) with an API key and
     a short context (so a fuzzed max_tokens cannot make one request take minutes). One server
     for the modules that fuzz it, load it and drive its playground: each start is a minute."""
-    srv = ServerProcess(["--api-key", DEMO_KEY, "--max-model-len", "256"],
+    srv = ServerProcess(["--api-key", DEMO_KEY, "--max-model-len", "256",
+                         "--max-pending-requests", "16"],
                         tmp_path_factory.mktemp("demo") / "server.log")
     yield srv
     assert srv.stop(), "processes of the server were still alive after SIGTERM"

@@ -11,7 +11,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import ServerProcess
+from conftest import ServerProcess, wait_for
 from PIL import Image
 
 from vllm_omni.testing.tiny_models import make_tiny
@@ -234,9 +234,15 @@ def test_killed_engine_core_fails_requests_and_health(flux_server):
         body = {"prompt": "x", "size": "96x80", "num_inference_steps": 1000}
         return httpx.post(srv.url + "/v1/images/generations", json=body, timeout=120)
 
+    def steps() -> float:
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("vllm_omni:diffusion_steps_total"))
+
+    before = steps()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(long_request)
-        time.sleep(2.0)
+        wait_for(lambda: steps() > before, "the request's first steps")
         assert not pending.done()
         os.kill(cores[0].pid, signal.SIGKILL)
         start = time.monotonic()

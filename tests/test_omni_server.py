@@ -345,6 +345,8 @@ def test_playground_speaks(server, browser):
     voices = httpx.get(server.url + "/v1/omni/info").json()["audio"]["voices"]
     assert len(voices) >= 2
     assert page.locator("#speech-voice option").all_inner_texts() == voices
+    assert page.locator("#speech-stages").get_attribute("placeholder") == \
+        '{"talker":{"max_tokens":100}}'
     page.get_by_label("Text to speak").fill("hello")
     stages = '{"talker": {"max_tokens": 40}}'  # a random talker speaks until its limit
     page.locator("#speech-stages").fill("{not json")

@@ -13,6 +13,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from conftest import wait_for
 from PIL import Image
 from vllm import SamplingParams
 
@@ -178,8 +179,7 @@ def test_abort_mid_speech_stops_every_stage(speech_llm, hf_speech):
     assert not talker.output_processor.has_unfinished_requests()
     # Speaking 900 codes keeps the stages busy for ~15 s here; aborted, they are idle once
     # vLLM's workers stop polling (they spin about a second after their last step).
-    time.sleep(2)
-    assert busy_seconds(children) < idle + 0.2
+    wait_for(lambda: busy_seconds(children) < idle + 0.2, "every stage idle", timeout=8)
     assert shm_segments() <= shm_before_abort
 
 
@@ -277,5 +277,4 @@ def test_hanging_up_on_streamed_speech_stops_every_stage(speech_llm, hf_speech):
     assert not first.finished and first.metrics["samples"] > 0
     # 900 codes take ~15 s to speak here; closed, every stage is idle once vLLM's workers
     # stop polling (about a second after their last step).
-    time.sleep(2)
-    assert busy_seconds(children) < idle + 0.2
+    wait_for(lambda: busy_seconds(children) < idle + 0.2, "every stage idle", timeout=8)

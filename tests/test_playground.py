@@ -45,11 +45,19 @@ def test_the_page_is_public_and_the_api_is_not(demo_server):
     info = httpx.get(demo_server.url + "/v1/omni/info", headers=DEMO_AUTH).json()
     assert info["outputs"] == ["image", "text"] and info["audio"] is None
     assert info["image"]["defaults"]["height"] == 32
+    # The demo's short served name, not its cache folder's path.
+    assert info["model"] == "omni-demo"
+    models = httpx.get(demo_server.url + "/v1/models", headers=DEMO_AUTH).json()["data"]
+    assert [m["id"] for m in models] == ["omni-demo"]
 
 
 def test_tabs_follow_the_pipeline_and_the_keyboard(page):
     tabs = page.get_by_role("tab")
     assert tabs.all_inner_texts() == ["Chat", "Images", "Pipeline"]  # no speech in the demo
+    assert page.locator("#model-line").inner_text().startswith("omni-demo · pipeline demo")
+    # The stage-settings example names one of the demo's own stages.
+    assert page.locator("#chat-stages").get_attribute("placeholder") == \
+        '{"llm":{"max_tokens":100}}'
     page.get_by_role("tab", name="Chat").focus()
     page.keyboard.press("ArrowRight")
     assert page.get_by_role("tab", name="Images").get_attribute("aria-selected") == "true"

@@ -6,6 +6,11 @@ concurrent requests with different prompts, lengths and seeds, with and without 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +59,36 @@ def test_the_encoder_stage_reads_the_folders_text_encoder_and_tokenizer(folder):
            "subfolder": "transformer"}
     with pytest.raises(PipelineConfigError, match="subfolder is an option of 'ar' stages"):
         parse_pipeline({"name": "p", "stages": [dit]}, "p.yaml")
+
+
+def test_an_encoder_the_cpu_attention_cannot_run_is_refused_at_start(folder, tmp_path):
+    """The same weights as 4 heads of 16 (4 x 16 query rows, 2 x 16 key rows: the shapes
+    of 2 x 32 and 1 x 32): a real model transformers runs, which vLLM's CPU attention has no
+    kernel for. The server refuses it before serving, naming the stage, the head size and
+    the sizes it runs, and offers the one-stage pipeline; it does not serve /health first
+    and die at the first request."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    heads16 = tmp_path / "qwen-image-head16"
+    shutil.copytree(folder, heads16)
+    config_path = heads16 / "text_encoder" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["text_config"].update(num_attention_heads=4, num_key_value_heads=2)
+    config["text_config"]["rope_parameters"]["mrope_section"] = [2, 3, 3]
+    config_path.write_text(json.dumps(config))
+    encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(heads16 / "text_encoder")
+    assert encoder(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 259)
+
+    vllm = Path(sys.executable).parent / "vllm"
+    proc = subprocess.run([str(vllm), "serve", str(heads16), "--omni", "--port", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert ("stage 'encoder': its model's attention head size is 16; vLLM's CPU attention "
+            "runs head sizes 32, 64") in proc.stderr, proc.stderr[-3000:]
+    offered = re.search(r"also runs as pipeline 'diffusion': --stage-configs-path (\S+)",
+                        proc.stderr)
+    assert offered and Path(offered[1]) == BUILTIN_DIR / "diffusion.yaml", proc.stderr[-3000:]
+    assert "Uvicorn running" not in proc.stderr + proc.stdout
 
 
 @pytest.fixture(scope="module")

@@ -216,6 +216,11 @@ class PipelineConfig(BaseModel):
         default=None,
         description="What a request that names no `modalities` gets; default: every final output.",
     )
+    fallback: str | None = Field(
+        default=None,
+        description="A built-in pipeline serving the same models in fewer stages (diffusers "
+        "running a whole request, say): offered when a stage of this one cannot start.",
+    )
     system_prompts: dict[str, str] = Field(
         default_factory=dict,
         description="Output modality -> the system message a chat request asking for it gets "

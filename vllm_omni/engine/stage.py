@@ -65,6 +65,9 @@ class StageInfo:
     voices: tuple[str, ...] = ()
     sample_rate: int | None = None
     max_model_len: int | None = None
+    # Most requests it runs at once (an AR stage's max_num_seqs, a DiT's running limit);
+    # more wait in its queue. None: no bound it knows.
+    max_running: int | None = None
     # An AR stage's vLLM config: what a renderer and a tokenizer are built from.
     vllm_config: Any = None
 

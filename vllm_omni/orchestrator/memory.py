@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_omni.config.kinds import Capability, stage_kind
+from vllm_omni.config.loader import BUILTIN_DIR
 from vllm_omni.config.placement import GIB, PlacementError, device_problems, stage_device
 from vllm_omni.config.schema import PipelineConfig, StageConfig
 from vllm_omni.engine.memory import StagePlan
@@ -245,7 +246,11 @@ def plan_memory(
         start_problems += stage_kind(engine).joint_problems(
             [p for p in plans if p.engine == engine])
     if start_problems:
-        raise PlacementError("the pipeline's parallel stages cannot start here:\n  "
+        if pipeline.fallback:  # the same model in fewer stages, which may run here
+            start_problems.append(
+                f"pipeline {pipeline.name!r} also runs as pipeline {pipeline.fallback!r}: "
+                f"--stage-configs-path {BUILTIN_DIR / (pipeline.fallback + '.yaml')}")
+        raise PlacementError("the pipeline's stages cannot start here:\n  "
                              + "\n  ".join(start_problems))
     kv_on: dict[int, list[float]] = defaultdict(list)  # per open plan: KV bytes per its share
     for device, memory in devices.items():

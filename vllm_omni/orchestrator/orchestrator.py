@@ -134,6 +134,7 @@ class Orchestrator:
     ) -> AsyncIterator[OmniRequestOutput]:
         """One request's outputs, as its returned stages make them."""
         planned, returned = self.plan(modalities)
+        self.check_available({s.name for s in planned})
         # Input processors see the first planned stage's rendered prompt (text and token
         # ids); a plan of independent stages starts where the request's outputs come from.
         # A first stage with its own input processor gets the prompt as given: the
@@ -172,6 +173,13 @@ class Orchestrator:
         """Restart stages that die or hang (see supervisor.py); needs a running loop."""
         self.supervisor = StageSupervisor(self, self.context, restarts, hang_timeout)
         self.supervisor.start()
+
+    def check_available(self, names: set[str]) -> None:
+        """Raises EngineDeadError while one of these stages is restarting or down: what it
+        would be asked (render, generate) has no engine behind it."""
+        problem = self.supervisor.unavailable(names) if self.supervisor else None
+        if problem:
+            raise EngineDeadError(problem)
 
     async def check_health(self) -> None:
         """Raises while a stage is dead, restarting, or down for good."""

@@ -55,6 +55,16 @@ class StageSupervisor:
             return f"restarting stages {sorted(self.restarting)}"
         return None
 
+    def unavailable(self, names: set[str]) -> str | None:
+        """Why a request needing these stages cannot run now (None when it can): a stage
+        being restarted has no engine to take it, so it is refused, not half-started."""
+        for name in sorted(names):
+            if name in self.down:
+                return f"stage {name!r} is down: {self.down[name]}"
+            if name in self.restarting:
+                return f"stage {name!r} is restarting"
+        return None
+
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.interval)

@@ -21,6 +21,7 @@ from vllm_omni.config.kinds import Capability
 from vllm_omni.config.loader import load_function
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.ar import hidden_states, parallel, step_inputs
+from vllm_omni.engine.ar.attention import attention_problems
 from vllm_omni.engine.ar.worker import worker_class_path
 from vllm_omni.engine.memory import AR_RANK_RUNTIME, RUNTIME, StagePlan, weights_bytes
 from vllm_omni.engine.stage import EngineStage, StageInfo, StartContext
@@ -144,8 +145,8 @@ class ARStage(EngineStage):
         """Weights, KV cache and activations of all the stage's ranks, read from the vLLM
         config the engine args give; with several ranks (tensor / pipeline parallel) each
         holds its part of the weights and KV heads and runs its own worker process. Ranks
-        that cannot split the model or cannot each get a core (GPU) are the plan's
-        `problems`."""
+        that cannot split the model or cannot each get a core (GPU), and a model the
+        device's attention cannot run, are the plan's `problems`."""
         args = stage_engine_args(context.model, config, context.engine_kwargs)
         tp, pp = int(args.tensor_parallel_size), int(args.pipeline_parallel_size)
         ranks = tp * pp
@@ -153,11 +154,13 @@ class ARStage(EngineStage):
                                               device)
         rank_devices = ([device] * ranks if device == "cpu"
                         else [f"cuda:{i}" for i in range(ranks)])
-        if problems:  # vLLM's config would refuse them with less to say
+        if not problems:  # else vLLM's config would refuse them with less to say
+            vllm_config = dataclasses.replace(args).create_engine_config(context.usage_context)
+            problems = attention_problems(config.name, vllm_config.model_config, device)
+        if problems:
             return StagePlan(stage=config.name, engine=config.engine, device=device,
                              weights=0, kv_cache=0, activations=0, runtime=0, ranks=ranks,
                              rank_devices=rank_devices, problems=problems)
-        vllm_config = dataclasses.replace(args).create_engine_config(context.usage_context)
         model, sched = vllm_config.model_config, vllm_config.scheduler_config
         itemsize = model.dtype.itemsize
         cache_dtype = vllm_config.cache_config.cache_dtype
@@ -243,7 +246,9 @@ class ARStage(EngineStage):
             defaults={**model_config.get_diff_sampling_param(), **derived,
                       **config.sampling_params},
             inputs=input_modalities(model_config), family=model_config.architecture,
-            max_model_len=model_config.max_model_len, vllm_config=self.engine.vllm_config)
+            max_model_len=model_config.max_model_len,
+            max_running=self.engine.vllm_config.scheduler_config.max_num_seqs,
+            vllm_config=self.engine.vllm_config)
 
     @property
     def renderer(self):

@@ -178,7 +178,8 @@ class DiffusionCore(CoreBase):
         self._last_progress: dict[str, float] = {}
 
     def info(self) -> dict[str, Any]:
-        return {**self.adapter.info(), "max_image_pixels": self.max_image_pixels}
+        return {**self.adapter.info(), "max_image_pixels": self.max_image_pixels,
+                "max_running": self.scheduler.max_running}
 
     # -- requests ------------------------------------------------------------------------
 

@@ -178,7 +178,7 @@ class DiffusionStage(EngineStage):
             defaults=dict(facts.get("defaults") or {}),
             inputs=("text", "image") if facts.get("takes_images") else ("text",),
             family=facts.get("family"), takes_images=bool(facts.get("takes_images")),
-            step_level=bool(facts.get("step_level")),
+            step_level=bool(facts.get("step_level")), max_running=facts.get("max_running"),
             limits={k: facts.get(k) for k in ("size_multiple", "frame_step",
                                               "max_image_pixels")})
 

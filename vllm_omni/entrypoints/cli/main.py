@@ -38,8 +38,16 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         "--max-pending-requests",
         type=int,
         default=None,
-        help="Most API requests in flight; beyond it a request gets 503 with Retry-After at "
-        "once (default: no limit).",
+        help="Most API requests waiting beyond what their stage runs at once (an LLM stage's "
+        "max_num_seqs, a DiT's running limit); beyond it a request gets 503 with "
+        "Retry-After at once (default: no limit).",
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="Most API requests in flight, running or waiting; beyond it a request gets 503 "
+        "with Retry-After at once (default: no limit).",
     )
     parser.add_argument(
         "--request-timeout",
@@ -202,6 +210,9 @@ def explicit_engine_kwargs(
     return out
 
 
+DEMO_NAME = "omni-demo"
+
+
 def default_demo() -> tuple[str, str]:
     """The tiny chat LLM's folder (built on first use) and the demo pipeline's YAML, written
     beside it with the trained digits model's folder filled in."""
@@ -233,7 +244,10 @@ def serve(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
     elif args.model == defaults.model:
         args.model, pipeline = default_demo()
         args.stage_configs_path = args.stage_configs_path or pipeline
-        logger.info("No model given: serving the built-in demo pipeline %s", pipeline)
+        # Its folder is a cache path: a short name reads better in answers and the playground.
+        args.served_model_name = args.served_model_name or [DEMO_NAME]
+        logger.info("No model given: serving the built-in demo pipeline %s (LLM %s) as %r",
+                    pipeline, args.model, args.served_model_name[0])
     validate_parsed_serve_args(args)
     args.cache_config = cache_config(args)
     args.diffusion_parallel = diffusion_parallel(args)

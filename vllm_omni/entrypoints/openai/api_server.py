@@ -19,6 +19,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from vllm_omni.engine.stage import Stage
 from vllm_omni.entrypoints.async_omni_llm import AsyncOmniLLM
 from vllm_omni.entrypoints.openai.handling import FORM, Route, handle
 from vllm_omni.entrypoints.openai.info import pipeline_info
@@ -26,6 +27,7 @@ from vllm_omni.entrypoints.openai.limits import (
     AdmissionMiddleware,
     APIKeyMiddleware,
     BodyLimitMiddleware,
+    Lane,
 )
 from vllm_omni.entrypoints.openai.openapi import (
     VIDEO_CONTENT_PARAMS,
@@ -57,7 +59,7 @@ PLAYGROUND = Path(__file__).parent / "playground"
 
 def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace) -> FastAPI:
     app = FastAPI(title="vllm-omni", docs_url=None if args.disable_fastapi_docs else "/docs")
-    add_middlewares(app, args)
+    add_middlewares(app, args, admission_lanes(omni))
     for route in api_routes(omni, served_model_names, args):
         app.add_api_route(route.path, _endpoint(route, args.request_timeout),
                           methods=[route.method], openapi_extra=route.openapi_extra)
@@ -66,7 +68,21 @@ def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace
     return app
 
 
-def add_middlewares(app: FastAPI, args: Namespace) -> None:
+def admission_lanes(omni: AsyncOmniLLM) -> list[tuple[str, Lane]]:
+    """Where each API route's requests queue first: images and videos at the stage that
+    draws them (a DiT behind a text encoder is where they wait), the rest at the entry
+    stage."""
+    lanes: dict[str, Lane] = {}
+
+    def lane(stage: Stage) -> Lane:
+        return lanes.setdefault(stage.name, Lane(stage.name, stage.info.max_running))
+
+    routes = [(prefix, lane(stage)) for prefix, stage in
+              (("/v1/images/", omni.image_stage), ("/v1/videos", omni.video_stage)) if stage]
+    return [*routes, ("/v1/", lane(omni.entry_stage))]
+
+
+def add_middlewares(app: FastAPI, args: Namespace, lanes: list[tuple[str, Lane]]) -> None:
     if args.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -76,7 +92,8 @@ def add_middlewares(app: FastAPI, args: Namespace) -> None:
             allow_headers=args.allowed_headers,
         )
     # The last added runs first: the key, then the body's size, then admission.
-    app.add_middleware(AdmissionMiddleware, limit=args.max_pending_requests)
+    app.add_middleware(AdmissionMiddleware, lanes=lanes, max_pending=args.max_pending_requests,
+                       max_concurrent=args.max_concurrent_requests)
     app.add_middleware(BodyLimitMiddleware, limit=int(args.max_request_body_mb * (1 << 20)))
     api_keys = [k for k in (args.api_key or []) if k]
     if api_keys:

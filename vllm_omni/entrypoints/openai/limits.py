@@ -1,19 +1,29 @@
-"""What the server refuses before it does work: bodies over a size, requests beyond a number
-in flight, and (with a key) callers without the key. Plain ASGI middlewares: Starlette's
-BaseHTTPMiddleware would hide client disconnects from streaming responses."""
+"""What the server refuses before it does work: bodies over a size, requests that would wait
+beyond a number (or beyond a cap on all in flight), and (with a key) callers without the key.
+Plain ASGI middlewares: Starlette's BaseHTTPMiddleware would hide client disconnects from
+streaming responses."""
 
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from http import HTTPStatus
 
 import prometheus_client
 
 from vllm_omni.entrypoints.openai.protocol import OmniHTTPError, error_response
 
-PENDING = prometheus_client.Gauge(
+IN_FLIGHT = prometheus_client.Gauge(
     "vllm_omni:requests_in_flight", "API requests being served (admitted, not yet answered)"
 )
+# Admission's count, by the stage a request enters first: as many as the stage runs at once
+# are running, the rest wait in its queue.
+RUNNING = prometheus_client.Gauge(
+    "vllm_omni:requests_running", "Admitted API requests their first stage can run now",
+    ["stage"])
+WAITING = prometheus_client.Gauge(
+    "vllm_omni:requests_waiting", "Admitted API requests beyond what their first stage runs "
+    "at once", ["stage"])
 REFUSED = prometheus_client.Counter(
     "vllm_omni:requests_refused", "API requests refused before any work", ["reason"]
 )
@@ -67,33 +77,83 @@ class BodyLimitMiddleware:
         await self.app(scope, bounded_receive, send)
 
 
-class AdmissionMiddleware:
-    """At most `limit` API requests in flight (a stream counts until its last byte); beyond
-    that a 503 with Retry-After at once, instead of a queue without bound."""
+@dataclass
+class Lane:
+    """The requests of the routes that lead to one stage first, and how many of them that
+    stage runs at once (`capacity`; None: no bound it reports): past it they wait."""
 
-    def __init__(self, app, limit: int | None) -> None:
-        self.app, self.limit, self.in_flight = app, limit, 0
+    stage: str
+    capacity: int | None
+    in_flight: int = 0
+
+    @property
+    def waiting(self) -> int:
+        return 0 if self.capacity is None else max(0, self.in_flight - self.capacity)
+
+    @property
+    def running(self) -> int:
+        return self.in_flight - self.waiting
+
+
+class AdmissionMiddleware:
+    """Admission without an unbounded queue. Each API route leads to a lane (`lanes`: path
+    prefixes, the first that matches, to the lane of the stage those requests enter first).
+    A request is admitted while its stage can run it at once; past that it may wait while
+    fewer than `max_pending` requests wait in all lanes together, and past `max_concurrent`
+    in flight none is admitted. A refusal is a 503 with Retry-After at once. A stream counts
+    until its last byte."""
+
+    def __init__(self, app, lanes: list[tuple[str, Lane]], max_pending: int | None = None,
+                 max_concurrent: int | None = None) -> None:
+        self.app, self.lanes = app, lanes
+        self.max_pending, self.max_concurrent = max_pending, max_concurrent
+        self.distinct = list({id(lane): lane for _, lane in lanes}.values())
+        self.in_flight = 0
+        for lane in self.distinct:  # shown from the start, not from the first request
+            self._count(lane, 0)
+
+    def _lane(self, path: str) -> Lane | None:
+        return next((lane for prefix, lane in self.lanes if path.startswith(prefix)), None)
+
+    def _refusal(self, lane: Lane | None) -> str | None:
+        if self.max_concurrent is not None and self.in_flight >= self.max_concurrent:
+            return (f"the server is serving {self.in_flight} requests, its limit "
+                    "(--max-concurrent-requests); retry later")
+        if self.max_pending is None or lane is None or lane.capacity is None:
+            return None
+        if lane.in_flight < lane.capacity:
+            return None  # its stage runs it at once
+        waiting = sum(other.waiting for other in self.distinct)
+        if waiting < self.max_pending:
+            return None
+        return (f"{waiting} requests are waiting already (stage {lane.stage!r} runs "
+                f"{lane.capacity} at once), the limit (--max-pending-requests); retry later")
+
+    def _count(self, lane: Lane | None, change: int) -> None:
+        self.in_flight += change
+        IN_FLIGHT.inc(change)
+        if lane is not None:
+            lane.in_flight += change
+            RUNNING.labels(lane.stage).set(lane.running)
+            WAITING.labels(lane.stage).set(lane.waiting)
 
     async def __call__(self, scope, receive, send) -> None:
         if not _is_api_request(scope):
             await self.app(scope, receive, send)
             return
-        if self.limit is not None and self.in_flight >= self.limit:
+        lane = self._lane(scope["path"])
+        refusal = self._refusal(lane)
+        if refusal is not None:
             REFUSED.labels("busy").inc()
-            response = error_response(
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                f"the server is serving {self.in_flight} requests, its limit "
-                "(--max-pending-requests); retry later")
+            response = error_response(HTTPStatus.SERVICE_UNAVAILABLE, refusal)
             response.headers["Retry-After"] = "1"
             await response(scope, receive, send)
             return
-        self.in_flight += 1
-        PENDING.inc()
+        self._count(lane, 1)
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight -= 1
-            PENDING.dec()
+            self._count(lane, -1)
 
 
 class APIKeyMiddleware:

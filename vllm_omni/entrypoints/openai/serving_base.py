@@ -57,6 +57,8 @@ class EntryRenderer:
     def get(self) -> OnlineRenderer | None:
         if self.omni.text_stage is None:
             return None
+        # A restarting entry stage's old renderer is shut down: refuse (503), not a 400.
+        self.omni.orchestrator.check_available({self.omni.order[0].name})
         entry = self.omni.entry_stage
         if entry is not self._stage:
             self._renderer = OnlineRenderer(entry.info.model_config, entry.renderer,
@@ -255,7 +257,9 @@ def error_status(e: BaseException) -> tuple[HTTPStatus, str, str | None]:
     if isinstance(e, ValueError):  # validation; a TypeError is a bug, so a 500
         return HTTPStatus.BAD_REQUEST, str(e), None
     if isinstance(e, EngineDeadError):
-        return HTTPStatus.SERVICE_UNAVAILABLE, "the engine is not running: " + str(e), None
+        # vLLM puts its generic message first; the why given on raising it is the rest.
+        why = "; ".join(str(a) for a in e.args[1:]) or str(e)
+        return HTTPStatus.SERVICE_UNAVAILABLE, "the engine is not running: " + why, None
     return HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}", None
 
 

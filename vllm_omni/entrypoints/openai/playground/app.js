@@ -447,6 +447,13 @@ function setUp(info) {
   fillTable($("stages"), ["stage", "engine", "output", "inputs", "final"],
     info.stages.map((s) => [s.name, s.engine, s.output, s.inputs.join(", ") || "request",
       s.final_output ? "yes" : ""]));
+  // The example names a stage this pipeline has: its last AR stage (the talker on an omni
+  // pipeline), else its first.
+  const ar = info.stages.filter((s) => s.engine === "ar");
+  const example = (ar.length ? ar[ar.length - 1] : info.stages[0]).name;
+  for (const id of ["chat-stages", "speech-stages"]) {
+    $(id).placeholder = JSON.stringify({ [example]: { max_tokens: 100 } });
+  }
   const tabs = [];
   if (info.outputs.includes("text")) tabs.push("chat");
   if (info.image) {
