@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import TYPE_CHECKING
 
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from vllm_omni.engine.stage import StartContext, start_stage
+from vllm_omni.engine.stage import Stage, StartContext, start_stage
 
 if TYPE_CHECKING:
+    from vllm_omni.config.schema import StageConfig
     from vllm_omni.orchestrator.orchestrator import Orchestrator
 
 logger = logging.getLogger(__name__)
@@ -39,13 +41,43 @@ class StageSupervisor:
         self.down: dict[str, str] = {}  # stage -> why, once it has no restarts left
         self.restarts: dict[str, int] = {name: 0 for name in orchestrator.stages}
         self._task: asyncio.Task | None = None
+        # Set once the server shuts down: a stage that finishes starting after it is shut
+        # down at once by its starting thread (that thread outlives the cancelled task).
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._starts_done = threading.Event()  # no stage is starting
+        self._starts_done.set()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._watch(), name="supervisor")
 
-    def stop(self) -> None:
+    def stop(self, start_timeout: float = 300) -> None:
+        """Stop watching; a stage starting now is waited for and shut down (the server's
+        process may end by a signal right after, which no thread would outlive)."""
+        with self._stop_lock:
+            self._stopped.set()
         if self._task is not None:
             self._task.cancel()
+        if not self._starts_done.is_set():
+            logger.info("Waiting for the stage being restarted to start, to shut it down")
+            self._starts_done.wait(start_timeout)
+
+    def _start(self, config: StageConfig) -> Stage | None:
+        """A new engine for the stage (in a thread); None, and nothing left running, when
+        the server stopped meanwhile."""
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return None
+            self._starts_done.clear()
+        try:
+            stage = start_stage(config, self.context)
+            with self._stop_lock:
+                if not self._stopped.is_set():
+                    return stage
+            stage.shutdown()
+            return None
+        finally:
+            self._starts_done.set()
 
     def problem(self) -> str | None:
         """Why the pipeline is not healthy now (None when it is)."""
@@ -100,7 +132,9 @@ class StageSupervisor:
             # Shut down first: its memory is what the new engine's plan counts on.
             await asyncio.to_thread(self.orchestrator.stages[name].shutdown)
             config = self.orchestrator.pipeline.stage(name)
-            stage = await asyncio.to_thread(start_stage, config, self.context)
+            stage = await asyncio.to_thread(self._start, config)
+            if stage is None:
+                return
         except Exception as e:
             logger.exception("Stage %r could not be restarted", name)
             self.down[name] = f"{why}, and restarting failed: {e}"
