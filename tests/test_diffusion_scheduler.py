@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_omni.engine.diffusion.params import DiffusionParams
@@ -86,3 +87,28 @@ def test_abort_removes_waiting_and_running():
     assert s.abort("a").request_id == "a"
     assert s.abort("a") is None
     assert not s.has_work
+
+
+def test_priority_policy_serves_the_lowest_value_first_then_the_oldest():
+    s = DiffusionScheduler(max_batch_size=1, max_batch_cost=1 << 30, max_running=2,
+                           policy="priority")
+    for rid, priority in [("a", 0), ("b", 5), ("c", -1), ("d", 0)]:
+        r = request(rid)
+        r.params.priority = priority
+        s.add(r)
+    assert [r.request_id for r in s.admit()] == ["c", "a"]
+    assert [r.request_id for r in s.pick_batch()] == ["c"]
+    s.finish(s.running["c"])
+    assert [r.request_id for r in s.admit()] == ["d"]
+    fcfs = DiffusionScheduler(max_batch_size=1, max_batch_cost=1 << 30, max_running=2)
+    for rid, priority in [("a", 3), ("b", 0)]:
+        r = request(rid)
+        r.params.priority = priority
+        fcfs.add(r)
+    assert [r.request_id for r in fcfs.admit()] == ["a", "b"]  # priority ignored
+    assert [r.request_id for r in fcfs.pick_batch()] == ["a"]
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match=r"must be one of \['fcfs', 'priority'\]"):
+        DiffusionScheduler(max_batch_size=1, max_batch_cost=1, max_running=1, policy="lifo")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import functools
 import io
 
@@ -216,7 +217,6 @@ def test_images_edit(tmp_path_factory):
 
 def test_killed_engine_core_fails_requests_and_health(flux_server):
     """Last in this module: it kills the server's diffusion engine core."""
-    import concurrent.futures
     import os
     import signal
     import time
@@ -250,3 +250,77 @@ def test_killed_engine_core_fails_requests_and_health(flux_server):
     assert r.status_code == 503, r.text
     assert time.monotonic() - start < 10
     assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
+
+
+# A user's own scheduler, in a module of theirs: the shortest remaining work first, after
+# the request's priority where the stage's policy is "priority".
+FEWEST_STEPS = '''
+from vllm_omni.engine.diffusion.scheduler import DiffusionScheduler
+
+
+class FewestStepsFirst(DiffusionScheduler):
+    def rank(self, req):
+        *first, arrival = super().rank(req)
+        return (*first, req.num_steps - req.step, arrival)
+'''
+
+
+@pytest.fixture(scope="module")
+def scheduled_server(tmp_path_factory):
+    """flux-tiny with the scheduler above named in its stage YAML (one image per
+    transformer call, so the order requests advance in is the scheduler's alone)."""
+    folder = make_tiny("flux-tiny", tmp_path_factory.mktemp("img") / "flux-tiny")
+    own = tmp_path_factory.mktemp("own")
+    (own / "fewest_steps.py").write_text(FEWEST_STEPS)
+    (own / "pipeline.yaml").write_text(
+        "name: scheduled\nstages:\n  - name: dit\n    engine: diffusion\n"
+        "    output: image\n    final_output: true\n    engine_args:\n"
+        "      scheduler_cls: fewest_steps:FewestStepsFirst\n"
+        "      scheduling_policy: priority\n      max_batch_size: 1\n")
+    srv = ServerProcess([str(folder), "--stage-configs-path", str(own / "pipeline.yaml")],
+                        own / "server.log", env={"PYTHONPATH": str(own)})
+    yield folder, srv
+    assert srv.stop(), "processes of the server were still alive after SIGTERM"
+
+
+def test_a_scheduler_of_ones_own_orders_the_requests(scheduled_server):
+    """Two requests, the second sent once the first is denoising: the one the scheduler
+    ranks first finishes first, whichever came first (the built-in fcfs would finish the
+    first first each time), and each image is diffusers' for its seed."""
+    folder, srv = scheduled_server
+
+    def steps() -> float:
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("vllm_omni:diffusion_steps_total"))
+
+    def finish_order(first: dict, second: dict) -> list[str]:
+        done: list[str] = []
+
+        def post(name: str, body: dict) -> Image.Image:
+            r = httpx.post(srv.url + "/v1/images/generations", timeout=300,
+                           json={"prompt": f"a {name} square", **body})
+            assert r.status_code == 200, r.text
+            done.append(name)
+            return decode(r.json()["data"][0]["b64_json"])
+
+        before = steps()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            a = pool.submit(post, "first", first)
+            wait_for(lambda: steps() > before, "the first request's first steps")
+            b = pool.submit(post, "second", second)
+            images = {"first": (a.result(), first), "second": (b.result(), second)}
+        for name, (image, body) in images.items():
+            assert_same_image(image, reference_pil(
+                folder, f"a {name} square", body["seed"],
+                num_inference_steps=body["num_inference_steps"])[0])
+        return done
+
+    # Fewer steps left: the second request, although it came later.
+    assert finish_order({"seed": 1, "num_inference_steps": 40},
+                        {"seed": 2, "num_inference_steps": 2}) == ["second", "first"]
+    # A lower priority value first: the OpenAI request's field, under the policy the YAML
+    # sets; the first has fewer steps left when the second arrives, and still waits.
+    assert finish_order({"seed": 3, "num_inference_steps": 40, "priority": 1},
+                        {"seed": 4, "num_inference_steps": 40, "priority": 0}) == [
+        "second", "first"]

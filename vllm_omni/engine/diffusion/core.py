@@ -18,12 +18,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_omni.config.loader import load_function
 from vllm_omni.engine.diffusion.batch_sizer import BatchSizer
 from vllm_omni.engine.diffusion.cache import CacheConfig
 from vllm_omni.engine.diffusion.parallel.clock import COMM
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
-from vllm_omni.engine.diffusion.scheduler import DiffusionScheduler
+from vllm_omni.engine.diffusion.scheduler import (
+    POLICIES,
+    DiffusionScheduler,
+    SchedulerInterface,
+)
 from vllm_omni.engine.runtime import AddRequest, CoreBase, CoreOutput
 from vllm_omni.transfer.connectors import SharedMemoryConnector
 
@@ -44,6 +49,11 @@ class EngineOptions:
     # Latent tokens x images per transformer call; default: no limit beyond batch size.
     max_batch_cost: int = 1 << 62
     max_running: int = 64
+    # The order requests are served in: "fcfs", or "priority" (the request's `priority`,
+    # lower first), as vLLM's scheduling_policy; `scheduler_cls` ("package.module:Class",
+    # see engine/diffusion/scheduler.py) replaces the built-in scheduler.
+    scheduling_policy: str = "fcfs"
+    scheduler_cls: str | None = None
     # Learn per shape the batch size past which batching stops paying (see BatchSizer).
     adaptive_batch: bool = True
     num_threads: int | None = None
@@ -77,6 +87,15 @@ class EngineOptions:
         from vllm_omni.engine.diffusion.parallel.layout import check_degrees
 
         check_degrees(self)
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {list(POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")
+        if self.scheduler_cls is not None:
+            try:  # here, so a wrong path fails the stage's start naming it
+                load_function(self.scheduler_cls)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise ValueError(f"scheduler_cls {self.scheduler_cls!r} cannot be imported: "
+                                 f"{e}") from None
         if self.offload is not None:
             if self.offload not in OFFLOAD_MODES:
                 raise ValueError(f"offload must be one of {list(OFFLOAD_MODES)}, "
@@ -84,6 +103,21 @@ class EngineOptions:
             if not self.device.startswith("cuda"):
                 raise ValueError(f"offload {self.offload!r} needs a CUDA device; this "
                                  f"engine runs on {self.device}")
+
+
+def make_scheduler(options: EngineOptions, sizer: BatchSizer | None) -> SchedulerInterface:
+    """The built-in scheduler, or the `scheduler_cls` the options name, built with the same
+    limits; one that lacks the interface's methods fails the engine's start."""
+    cls = load_function(options.scheduler_cls) if options.scheduler_cls else DiffusionScheduler
+    scheduler = cls(max_batch_size=options.max_batch_size,
+                    max_batch_cost=options.max_batch_cost, max_running=options.max_running,
+                    sizer=sizer, policy=options.scheduling_policy)
+    if not isinstance(scheduler, SchedulerInterface):
+        missing = [m for m in ("add", "abort", "finish", "has_work", "admit", "pick_batch",
+                               "denoised", "max_running") if not hasattr(scheduler, m)]
+        raise TypeError(f"scheduler_cls {options.scheduler_cls!r} lacks {missing} of the "
+                        "diffusion scheduler interface (engine/diffusion/scheduler.py)")
+    return scheduler
 
 
 def to_pixels(floats: np.ndarray) -> np.ndarray:
@@ -169,10 +203,8 @@ class DiffusionCore(CoreBase):
         if self.defaults.get("cache") is not None:
             # The server-wide cache setting must fit the model: fail at start, not per request.
             self.adapter.check_cache(CacheConfig(**self.defaults["cache"]))
-        sizer = BatchSizer(options.max_batch_size) if options.adaptive_batch else None
-        self.scheduler = DiffusionScheduler(
-            options.max_batch_size, options.max_batch_cost, options.max_running, sizer
-        )
+        self.sizer = BatchSizer(options.max_batch_size) if options.adaptive_batch else None
+        self.scheduler = make_scheduler(options, self.sizer)
         self.connector = SharedMemoryConnector(prefix="omni-dit")
         self.progress_interval = options.progress_interval
         self._last_progress: dict[str, float] = {}
@@ -245,9 +277,9 @@ class DiffusionCore(CoreBase):
             except Exception as e:
                 self.fail([r.request_id for r in batch], e, "internal")
             else:
-                if self.scheduler.sizer is not None and self.adapter.step_level:
+                if self.sizer is not None and self.adapter.step_level:
                     images = sum(r.params.num_images for r in batch)
-                    self.scheduler.sizer.record(batch[0].key, images, time.perf_counter() - start)
+                    self.sizer.record(batch[0].key, images, time.perf_counter() - start)
                 now = time.monotonic()
                 for r in batch:
                     if self.parallel:

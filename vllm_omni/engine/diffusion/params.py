@@ -39,6 +39,9 @@ class DiffusionParams(BaseModel):
     float_output: bool = False
     # Step caching; fields given here override the server's --cache-config field by field.
     cache: CacheConfig | None = None
+    # Lower is served first where the stage's scheduling_policy is "priority" (vLLM's
+    # convention); ignored under "fcfs".
+    priority: int = 0
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> DiffusionParams:

@@ -27,7 +27,8 @@ EDIT_FORM = {"type": "object", "required": ["image", "prompt"], "properties": {
     "image": {"type": "string", "format": "binary"}, "prompt": {"type": "string"},
     "model": {"type": "string"}, "n": {"type": "integer"}, "size": {"type": "string"},
     "seed": {"type": "integer"}, "num_inference_steps": {"type": "integer"},
-    "strength": {"type": "number"}, "negative_prompt": {"type": "string"}}}
+    "strength": {"type": "number"}, "negative_prompt": {"type": "string"},
+    "priority": {"type": "integer"}}}
 
 
 def _param(name: str, where: str, schema: dict[str, Any]) -> dict[str, Any]:

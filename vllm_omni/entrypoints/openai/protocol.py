@@ -86,6 +86,8 @@ class ImageGenerationRequest(BaseModel):
     strength: float | None = None
     # Step caching for this request (CacheConfig's fields; over the server's --cache-config).
     cache: dict[str, Any] | None = None
+    # As vLLM's: lower is served first, where the stage's scheduling_policy is "priority".
+    priority: int | None = None
     # Per-stage overrides by stage name (the LLM before a DiT, say), over the fields above.
     stage_sampling_params: dict[str, dict[str, Any]] | None = None
 
@@ -108,7 +110,7 @@ class ImageGenerationRequest(BaseModel):
     def diffusion_params(self) -> dict[str, Any]:
         params = self.model_dump(
             include={"negative_prompt", "num_inference_steps", "guidance_scale",
-                     "true_cfg_scale", "seed", "strength", "cache"},
+                     "true_cfg_scale", "seed", "strength", "cache", "priority"},
             exclude_none=True,
         )
         if self.size:
@@ -148,6 +150,7 @@ class VideoCreateRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     # Step caching for this request (CacheConfig's fields; over the server's --cache-config).
     cache: dict[str, Any] | None = None
+    priority: int | None = None  # as the images API's
     # Per-stage overrides by stage name (the LLM before a DiT, say), over the fields above.
     stage_sampling_params: dict[str, dict[str, Any]] | None = None
 

@@ -151,7 +151,8 @@ class OmniServingChat(OmniServing):
         prompt = chat_image_prompt(request.messages)
         # Made whole before answering: an error is an HTTP error, also for a stream.
         out = await self.images.generate_images(
-            prompt, {"num_images": request.n or 1}, request_id, request.stage_sampling_params
+            prompt, {"num_images": request.n or 1, "priority": request.priority}, request_id,
+            request.stage_sampling_params
         )
         if request.stream:
             return self._image_stream(request, request_id, out.images)

@@ -105,7 +105,7 @@ class OmniServingVideos(OmniServing):
                                 f"{self.max_seconds:g} s (--max-video-seconds)", "seconds")
         params = request.model_dump(
             include={"num_inference_steps", "guidance_scale", "negative_prompt", "seed",
-                     "cache"},
+                     "cache", "priority"},
             exclude_none=True)
         params.update(width=width, height=height, num_frames=frames, fps=fps)
         try:
