@@ -299,7 +299,7 @@ def test_a_scheduler_of_ones_own_orders_the_requests(scheduled_server):
 
         def post(name: str, body: dict) -> Image.Image:
             r = httpx.post(srv.url + "/v1/images/generations", timeout=300,
-                           json={"prompt": f"a {name} square", **body})
+                           json={"prompt": f"a {name} square", "size": "32x32", **body})
             assert r.status_code == 200, r.text
             done.append(name)
             return decode(r.json()["data"][0]["b64_json"])
@@ -312,15 +312,15 @@ def test_a_scheduler_of_ones_own_orders_the_requests(scheduled_server):
             images = {"first": (a.result(), first), "second": (b.result(), second)}
         for name, (image, body) in images.items():
             assert_same_image(image, reference_pil(
-                folder, f"a {name} square", body["seed"],
+                folder, f"a {name} square", body["seed"], height=32, width=32,
                 num_inference_steps=body["num_inference_steps"])[0])
         return done
 
     # Fewer steps left: the second request, although it came later.
-    assert finish_order({"seed": 1, "num_inference_steps": 40},
+    assert finish_order({"seed": 1, "num_inference_steps": 400},
                         {"seed": 2, "num_inference_steps": 2}) == ["second", "first"]
     # A lower priority value first: the OpenAI request's field, under the policy the YAML
     # sets; the first has fewer steps left when the second arrives, and still waits.
-    assert finish_order({"seed": 3, "num_inference_steps": 40, "priority": 1},
-                        {"seed": 4, "num_inference_steps": 40, "priority": 0}) == [
+    assert finish_order({"seed": 3, "num_inference_steps": 400, "priority": 1},
+                        {"seed": 4, "num_inference_steps": 400, "priority": 0}) == [
         "second", "first"]
