@@ -32,11 +32,11 @@ def make(size_mb: int) -> dict[str, torch.Tensor]:
 
 def producer(conn, size_mb: int, rounds: int, mode: str) -> None:
     data = make(size_mb)
-    shm = SharedMemoryConnector()
+    shm = SharedMemoryConnector(pool_bytes=(1 << 30) if mode.startswith("pool") else 0)
     for _ in range(rounds):
         conn.recv()  # go
         start = time.perf_counter()
-        if mode == "shm":
+        if mode != "pipe":
             conn.send((start, pickle.dumps(shm.put(data))))
         else:
             conn.send((start, pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)))
@@ -53,9 +53,10 @@ def across(size_mb: int, rounds: int, mode: str) -> list[float]:
         here.send("go")
         start, raw = here.recv()
         obj = pickle.loads(raw)
-        tensors = shm.get(obj) if mode == "shm" else obj
+        tensors = obj if mode == "pipe" else shm.get(obj, in_place=mode == "pool_in_place")
         assert tensors["hidden_states"].numel() * 2 == size_mb * 1024 * 1024
         times.append(time.perf_counter() - start)
+        del tensors  # an in-place read frees its segment for the next round
     proc.join()
     return times
 
@@ -81,6 +82,8 @@ def main() -> None:
         for name, times in [
             ("copy", in_memory(size, args.rounds)),
             ("shm", across(size, args.rounds, "shm")),
+            ("pool", across(size, args.rounds, "pool")),
+            ("pool_in_place", across(size, args.rounds, "pool_in_place")),
             ("pipe_pickle", across(size, args.rounds, "pipe")),
         ]:
             med = statistics.median(times)

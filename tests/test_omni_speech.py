@@ -5,9 +5,7 @@ tokens and waveform, for text and for image + audio input, several requests at o
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from pathlib import Path
 
 import numpy as np
 import psutil
@@ -16,6 +14,8 @@ import torch
 from conftest import wait_for
 from PIL import Image
 from vllm import SamplingParams
+
+from vllm_omni.transfer.connectors import unread_payloads
 
 THINKER_TOKENS, TALKER_TOKENS, SEED = 12, 40, 1234
 PROMPTS = ["Tell me a story about a red fox.", "What is two plus two?", "Sing."]
@@ -77,7 +77,7 @@ def hf_speech(tiny_omni):
 
 
 def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("omni-*")} if os.path.isdir("/dev/shm") else set()
+    return unread_payloads()  # a pool's free segments are its memory, not a payload
 
 
 @pytest.fixture(scope="module")

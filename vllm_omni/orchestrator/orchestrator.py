@@ -25,6 +25,7 @@ from vllm_omni.orchestrator.memory import plan_pipeline
 from vllm_omni.orchestrator.request import InputProcessor, RequestRun, stage_request_id
 from vllm_omni.orchestrator.supervisor import StageSupervisor
 from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.transfer.connectors import sweep_orphaned_pools
 
 logger = logging.getLogger(__name__)
 
@@ -202,3 +203,4 @@ class Orchestrator:
         for stage in self.stages.values():
             stage.shutdown()
         self.stages.clear()
+        sweep_orphaned_pools()  # of engine processes that could not close them

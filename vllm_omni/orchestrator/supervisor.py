@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_omni.engine.stage import Stage, StartContext, start_stage
+from vllm_omni.transfer.connectors import sweep_orphaned_pools
 
 if TYPE_CHECKING:
     from vllm_omni.config.schema import StageConfig
@@ -131,6 +132,7 @@ class StageSupervisor:
         try:
             # Shut down first: its memory is what the new engine's plan counts on.
             await asyncio.to_thread(self.orchestrator.stages[name].shutdown)
+            sweep_orphaned_pools()  # what its killed processes' connectors held
             config = self.orchestrator.pipeline.stage(name)
             stage = await asyncio.to_thread(self._start, config)
             if stage is None:

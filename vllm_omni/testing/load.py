@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import random
 import statistics
 import time
@@ -22,7 +21,6 @@ from typing import Any
 import httpx
 
 MESSAGES = [{"role": "user", "content": "Tell me a short story."}]
-SHM = "/dev/shm"
 
 
 @dataclasses.dataclass
@@ -165,14 +163,17 @@ def failures(outcomes: list[Outcome]) -> list[Outcome]:
     return [o for o in outcomes if o.result.startswith("fail")]
 
 
-def server_state(pid: int, shm_prefixes: tuple[str, ...] = ("omni",)) -> dict[str, Any]:
-    """The server's processes (alive, not zombies), their summed RSS, and our shared-memory
-    segments: what a load must leave as it found."""
+def server_state(pid: int) -> dict[str, Any]:
+    """The server's processes (alive, not zombies), their summed RSS, and the payloads in
+    shared memory nobody has read (pooled segments that are free are the pools' memory):
+    what a load must leave as it found."""
     import psutil
+
+    from vllm_omni.transfer.connectors import unread_payloads
 
     root = psutil.Process(pid)
     procs = [p for p in [root, *root.children(recursive=True)]
              if p.status() != psutil.STATUS_ZOMBIE]
-    segments = [n for n in os.listdir(SHM) if n.startswith(shm_prefixes)]
+    segments = sorted(unread_payloads())
     return {"processes": sorted(p.pid for p in procs),
             "rss": sum(p.memory_info().rss for p in procs), "segments": segments}

@@ -28,6 +28,8 @@ import torch
 from vllm_omni.transfer.connectors import SharedMemoryConnector
 
 REQUEST_KEY = "omni_hidden_states"
+# Shared memory each worker keeps for the rows it hands on, reused request after request.
+POOL_BYTES = 256 << 20
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
@@ -51,7 +53,7 @@ class HiddenStatesMixin:
         self._omni_rows: dict[str, dict[str, list[torch.Tensor]]] = {}
         self._omni_keys: dict[str, str] = {}  # vLLM request id -> caller's key
         self._omni_step: dict[str, torch.Tensor] = {}
-        self._omni_connector = SharedMemoryConnector(prefix="omni-hs")
+        self._omni_connector = SharedMemoryConnector(prefix="omni-hs", pool_bytes=POOL_BYTES)
         from vllm.distributed import get_tensor_model_parallel_rank
 
         self._omni_keeps = get_tensor_model_parallel_rank() == 0

@@ -24,7 +24,10 @@ class AsyncDiffusionEngine(EngineClient):
                        images: list[Any] | None = None) -> AsyncIterator[DiffusionOutput]:
         async for out in super().generate(request_id, prompt, params, images):
             if out.handle is not None and "latents" not in out.handle.names:
-                tensors = SharedMemoryConnector().get(out.handle)
+                # Images are encoded, never written to: read where the core left them.
+                # A video may be kept for an hour (a job): copied, not holding the pool.
+                in_place = "video" not in out.handle.names
+                tensors = SharedMemoryConnector().get(out.handle, in_place=in_place)
                 out.handle = None
                 if "video" in tensors:
                     out.video = tensors["video"].numpy()

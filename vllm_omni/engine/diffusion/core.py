@@ -53,6 +53,8 @@ class EngineOptions:
     # lower first), as vLLM's scheduling_policy; `scheduler_cls` ("package.module:Class",
     # see engine/diffusion/scheduler.py) replaces the built-in scheduler.
     scheduling_policy: str = "fcfs"
+    # Shared memory the core keeps for its outputs' hops, reused payload after payload.
+    pool_mb: int = 256
     scheduler_cls: str | None = None
     # Learn per shape the batch size past which batching stops paying (see BatchSizer).
     adaptive_batch: bool = True
@@ -205,7 +207,9 @@ class DiffusionCore(CoreBase):
             self.adapter.check_cache(CacheConfig(**self.defaults["cache"]))
         self.sizer = BatchSizer(options.max_batch_size) if options.adaptive_batch else None
         self.scheduler = make_scheduler(options, self.sizer)
-        self.connector = SharedMemoryConnector(prefix="omni-dit")
+        # Reused segments: a default image or a short video fits, and no hop pays for a new
+        # segment's creation and page faults.
+        self.connector = SharedMemoryConnector(prefix="omni-dit", pool_bytes=options.pool_mb << 20)
         self.progress_interval = options.progress_interval
         self._last_progress: dict[str, float] = {}
 
