@@ -161,3 +161,21 @@ def test_a_pool_goes_with_its_producer(kill):
     assert (handle.segment in swept) == kill
     assert shm_exists(alive.segment)  # this process lives: its pool stays
     mine.close()
+
+
+def test_unread_payloads_are_the_ones_nobody_took():
+    from vllm_omni.transfer.connectors import unread_payloads
+
+    pool = SharedMemoryConnector(pool_bytes=64 << 20)
+    waiting, viewed, read = pool.put(payload(1)), pool.put(payload(2)), pool.put(payload(3))
+    one_off = SharedMemoryConnector().put(payload(4))
+    tensors = SharedMemoryConnector().get(viewed, in_place=True)
+    SharedMemoryConnector().get(read)
+    found = unread_payloads()
+    assert {waiting.segment, one_off.segment} <= found
+    assert not {viewed.segment, read.segment} & found
+    del tensors
+    SharedMemoryConnector().discard(one_off)
+    SharedMemoryConnector().discard(waiting)
+    assert not {waiting.segment, one_off.segment} & unread_payloads()
+    pool.close()

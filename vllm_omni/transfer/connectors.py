@@ -140,8 +140,9 @@ class _Attached:
 
 
 _ATTACHED = _Attached(limit=512 << 20)
-# The first bytes of a pooled segment: whether its payload is waiting to be read.
-_FREE, _IN_USE = 0, 1
+# The first byte of a pooled segment: free, its payload waiting to be read, or read in
+# place and still viewed by the reader's tensors.
+_FREE, _IN_USE, _VIEWED = 0, 1, 2
 _HEADER = _ALIGN
 
 
@@ -237,8 +238,8 @@ class SharedMemoryConnector:
                     out[layout.name] = view.clone().view(dtype).reshape(layout.shape)
                 del view, array
             if in_place and views:
+                _set_state(seg, _VIEWED)
                 _release_when_collected(seg, views)
-                return out
             return out
         finally:
             if not handle.pooled:
@@ -302,8 +303,9 @@ def sweep_orphaned_pools(shm_dir: str = "/dev/shm") -> list[str]:
 
 def unread_payloads(prefix: str = "omni", shm_dir: str = "/dev/shm") -> set[str]:
     """Segments holding a payload nobody has read or discarded yet: one-off segments, and
-    pooled ones marked in use (a free pooled segment is its pool's memory, not a payload).
-    What a finished or aborted request must not leave behind."""
+    pooled ones marked waiting (a free pooled segment is its pool's memory; one read in
+    place is its reader's until its tensors are collected). What a finished or aborted
+    request must not leave behind."""
     found = set()
     for name in os.listdir(shm_dir) if os.path.isdir(shm_dir) else ():
         if not name.startswith(prefix):
