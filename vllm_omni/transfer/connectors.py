@@ -157,9 +157,9 @@ class SharedMemoryConnector:
     payload outlives its producer. With `pool_bytes`, the producer keeps the segments it
     made (up to that many bytes) and reuses one whose payload was read: no create, page
     faults or unlink per payload, which dominate small hops. A pooled segment is the
-    producer's: it is unlinked when the producer exits (its resource tracker sees to it,
-    also after a kill), so a payload must be read while its producer lives, as a stage's
-    outputs are."""
+    producer's: it is unlinked when the producer exits (close() at exit; after a kill,
+    sweep_orphaned_pools), so a payload must be read while its producer lives, as a
+    stage's outputs are."""
 
     def __init__(self, prefix: str = "omni", pool_bytes: int = 0) -> None:
         self.prefix = prefix
