@@ -94,6 +94,7 @@ BUILDERS: dict[str, Callable[[Path, int, str], None]] = {
     **{name: _diffusers_builder(name) for name in DIFFUSERS_MODELS},
     "qwen2_5-omni-tiny": build_qwen2_5_omni,
     "qwen2_5-omni-small": functools.partial(build_qwen2_5_omni, size="small"),
+    "qwen2_5-omni-scaled": functools.partial(build_qwen2_5_omni, size="scaled"),
 }
 
 

@@ -105,26 +105,60 @@ def _token_ids(tokenizer) -> dict[str, int]:
     return ids
 
 
-# Widths of the thinker's and talker's decoders: "tiny" for tests, "small" where their compute
-# shows (about 20M parameters); token2wav and the encoders stay tiny in both.
+def _decoder_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                   head_dim: int | None = None) -> dict:
+    return {"hidden_size": hidden, "intermediate_size": intermediate,
+            "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim or hidden // heads}
+
+
+TINY = {
+    "thinker": _decoder_shape(128, 256, 2, heads=4, kv_heads=2),
+    "talker": _decoder_shape(64, 128, 2, heads=2, kv_heads=1),  # vLLM's CPU attention: >= 32
+    "audio": {"encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 128,
+              "d_model": 64},
+    "vision": {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+               "fullatt_block_indexes": [1]},
+    "dit": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "head_dim": 16, "emb_dim": 32, "look_ahead_layers": [1], "look_backward_layers": [0],
+            "enc_emb_dim": 32, "enc_dim": 32, "enc_channels": [32, 32, 32, 32, 96],
+            "enc_attention_channels": 16, "enc_se_channels": 16},
+    # Halved by each of the 6 upsamples: 2 channels at the end.
+    "bigvgan": {"upsample_initial_channel": 128, "resblock_kernel_sizes": [3, 7],
+                "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5]]},
+}
+# Each component's widths and depths. "tiny" for tests; "small": the thinker and talker
+# wider and deeper (about 20M parameters), the rest tiny; "scaled": the released 7B's depths
+# with every width divided by 7 (heads at least 32 wide, for vLLM's CPU attention), so that
+# each stage's share of the compute is the real model's. The 7B's own shapes are those of
+# transformers' config defaults, except its talker (hidden 896, 24 layers, 12 heads of 128,
+# 4 kv heads) and its encoders (1280 wide).
 SIZES = {
-    "tiny": {"thinker": (128, 256, 2), "talker": (64, 128, 2)},
-    "small": {"thinker": (512, 1536, 4), "talker": (256, 768, 4)},
+    "tiny": TINY,
+    "small": {**TINY, "thinker": _decoder_shape(512, 1536, 4, heads=4, kv_heads=2),
+              "talker": _decoder_shape(256, 768, 4, heads=2, kv_heads=1)},
+    "scaled": {
+        "vocab_size": 152064 // 7,
+        "thinker": _decoder_shape(512, 18944 // 7, 28, heads=16, kv_heads=2),
+        "talker": _decoder_shape(128, 18944 // 7, 24, heads=6, kv_heads=2, head_dim=32),
+        "audio": {"encoder_layers": 32, "encoder_attention_heads": 11,
+                  "encoder_ffn_dim": 5120 // 7, "d_model": 176},
+        "vision": {"depth": 32, "hidden_size": 176, "intermediate_size": 3420 // 7,
+                   "num_heads": 11, "fullatt_block_indexes": [7, 15, 23, 31]},
+        "dit": {"hidden_size": 144, "num_hidden_layers": 22, "num_attention_heads": 9,
+                "head_dim": 16, "emb_dim": 72, "look_ahead_layers": [10],
+                "look_backward_layers": [0, 20], "enc_emb_dim": 28, "enc_dim": 18,
+                "enc_channels": [36, 36, 36, 36, 108], "enc_attention_channels": 9,
+                "enc_se_channels": 9},
+        "bigvgan": {"upsample_initial_channel": 224, "resblock_kernel_sizes": [3, 7, 11],
+                    "resblock_dilation_sizes": [[1, 3, 5]] * 3},
+    },
 }
 
 
-def _decoder(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int) -> dict:
-    head_dim = hidden // heads
+def _mrope_section(head_dim: int) -> list[int]:
     unit = head_dim // 16  # mrope_section splits head_dim / 2 into (time, height, width)
-    return {
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "mrope_section": [unit * 2, unit * 3, unit * 3],
-    }
+    return [unit * 2, unit * 3, unit * 3]
 
 
 def omni_config(ids: dict[str, int], vocab_size: int, dtype: str, size: str = "tiny"):
@@ -140,18 +174,15 @@ def omni_config(ids: dict[str, int], vocab_size: int, dtype: str, size: str = "t
         "vision_start_token_id": ids["<|vision_bos|>"],
         "vision_end_token_id": ids["<|vision_eos|>"],
     }
-    thinker = _decoder(*SIZES[size]["thinker"], heads=4, kv_heads=2)
-    talker = _decoder(*SIZES[size]["talker"], heads=2, kv_heads=1)  # vLLM's CPU attention: >= 32
+    shape = SIZES[size]
+    thinker, talker = shape["thinker"], shape["talker"]
     text_config = {
-        "vocab_size": vocab_size,
-        "hidden_size": thinker["hidden_size"],
-        "intermediate_size": thinker["intermediate_size"],
-        "num_hidden_layers": thinker["num_hidden_layers"],
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        **thinker,
+        # The tokenizer's tokens, padded like the real vocabulary where the size asks.
+        "vocab_size": max(vocab_size, shape.get("vocab_size", 0)),
         "max_position_embeddings": 4096,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
-                            "mrope_section": thinker["mrope_section"]},
+                            "mrope_section": _mrope_section(thinker["head_dim"])},
         "tie_word_embeddings": False,
         "initializer_range": INIT_STD,
         "bos_token_id": None,
@@ -160,22 +191,15 @@ def omni_config(ids: dict[str, int], vocab_size: int, dtype: str, size: str = "t
     }
     audio_config = {
         "num_mel_bins": 128,  # what the Whisper feature extractor produces
-        "encoder_layers": 2,
-        "encoder_attention_heads": 4,
-        "encoder_ffn_dim": 128,
-        "d_model": 64,
+        **shape["audio"],
         "output_dim": text_config["hidden_size"],
     }
     vision_config = {
-        "depth": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_heads": 4,
+        **shape["vision"],
         "patch_size": 14,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
         "out_hidden_size": text_config["hidden_size"],
-        "fullatt_block_indexes": [1],
     }
     thinker_config = {
         "text_config": text_config,
@@ -201,40 +225,27 @@ def omni_config(ids: dict[str, int], vocab_size: int, dtype: str, size: str = "t
         "tts_codec_pad_token_id": CODEC_PAD,
         "tts_codec_mask_token_id": CODEC_MASK,
         "embedding_size": text_config["hidden_size"],  # it reads the thinker's embeddings
-        **{k: v for k, v in talker.items() if k != "mrope_section"},
+        **talker,
         "max_position_embeddings": 4096,
         # A low theta, so that positions (multimodal RoPE ones too) change the codes.
         "rope_parameters": {"rope_type": "default", "rope_theta": 100.0,
-                            "mrope_section": talker["mrope_section"]},
+                            "mrope_section": _mrope_section(talker["head_dim"])},
         "spatial_merge_size": vision_config["spatial_merge_size"],
         "initializer_range": INIT_STD,
         "pad_token_id": CODEC_PAD,
     }
     dit_config = {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "head_dim": 16,
+        **shape["dit"],
         "ff_mult": 2,
-        "emb_dim": 32,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "look_ahead_layers": [1],
-        "look_backward_layers": [0],
         # The codec embedding covers the whole talker vocab, not only the codebook: a random
         # talker emits special codes too, and the real size (8193) would index out of range.
         "num_embeds": TALKER_VOCAB,
         "mel_dim": MEL_DIM,
-        "enc_emb_dim": 32,
-        "enc_dim": 32,
-        "enc_channels": [32, 32, 32, 32, 96],
-        "enc_attention_channels": 16,
-        "enc_se_channels": 16,
     }
     bigvgan_config = {
         "mel_dim": MEL_DIM,
-        "upsample_initial_channel": 128,  # halved by each of the 6 upsamples: 2 channels at the end
-        "resblock_kernel_sizes": [3, 7],
-        "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5]],
+        **shape["bigvgan"],
         "upsample_rates": UPSAMPLE_RATES,
         "upsample_kernel_sizes": [11, 7, 4, 4, 4, 4],
     }
@@ -309,7 +320,7 @@ def _save_processor(out_dir: Path, tokenizer) -> None:
 
 def build_qwen2_5_omni(out_dir: Path, seed: int, dtype: str, size: str = "tiny") -> None:
     """Write the tiny Qwen2.5-Omni folder (about 7 MB, 1.76M parameters; "small": thinker
-    and talker wider and deeper) to `out_dir`."""
+    and talker wider and deeper; "scaled": the 7B's proportions, see SIZES) to `out_dir`."""
     from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
 
     tokenizer = _tokenizer(seed)

@@ -65,12 +65,18 @@ def stage_engine_args(
         if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") != "0":
             raise ValueError(f"stage {stage.name!r} needs vLLM's V1 model runner; "
                              "unset VLLM_USE_V2_MODEL_RUNNER")
-        # A prefix-cache hit skips the forward pass over the cached prompt tokens: their
-        # hidden states would be missing, and step inputs (which differ between requests
-        # with the same token ids) would be ignored. Every token must be computed.
+    if stage.step_inputs:
+        # Step inputs differ between requests with the same token ids, which a prefix-cache
+        # hit would ignore; the model reads them through a Python call in its forward, which
+        # a compiled graph would not make.
         merged.setdefault("enable_prefix_caching", False)
-        # The compiled graph runs without Python module hooks and callbacks: eager mode.
         merged.setdefault("enforce_eager", True)
+    elif stage.keeps_hidden_states and not current_platform.is_cpu():
+        # A full CUDA graph replays without calling the model's forward, which the hidden
+        # states hooks watch; piecewise graphs call it.
+        compilation = merged.get("compilation_config") or {}
+        if isinstance(compilation, dict):
+            merged["compilation_config"] = {"cudagraph_mode": "PIECEWISE", **compilation}
     if (stage.model or stage.subfolder) and "tokenizer" not in stage.engine_args:
         merged.pop("tokenizer", None)
     return AsyncEngineArgs(**merged)
