@@ -15,6 +15,7 @@ from conftest import wait_for
 from PIL import Image
 from vllm import SamplingParams
 
+from vllm_omni.testing.tiny_omni import TALKER_EOS_IDS
 from vllm_omni.transfer.connectors import unread_payloads
 
 THINKER_TOKENS, TALKER_TOKENS, SEED = 12, 40, 1234
@@ -39,8 +40,6 @@ def hf_speech(tiny_omni):
     and HF's thinker tokens, talker codes and waveform."""
     from conftest import hf_talker_with_attention_mask
     from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
-
-    from vllm_omni.testing.tiny_omni import TALKER_EOS_IDS
 
     processor = AutoProcessor.from_pretrained(tiny_omni)
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_omni).eval()
@@ -106,8 +105,10 @@ def test_speech_equals_hf(speech_llm, hf_speech):
     assert all(len(v) == len(hf_speech) for v in by_stage.values())
     for i, (_, thinker, codes, waveform) in enumerate(hf_speech):
         assert by_stage["thinker"][i].token_ids == thinker
-        # The talker's codes, as code2wav got them (HF's run to the token cap, no eos).
-        assert by_stage["code2wav"][i].tensors["codes"].tolist() == codes
+        # The talker's codes, as code2wav got them: HF's, up to the codec eos or pad that
+        # ended them.
+        spoken = codes[:-1] if codes and codes[-1] in TALKER_EOS_IDS else codes
+        assert by_stage["code2wav"][i].tensors["codes"].tolist() == spoken
         audio = by_stage["code2wav"][i].audio
         assert audio.sample_rate == 24000
         np.testing.assert_allclose(audio.waveform, waveform, atol=1e-5)

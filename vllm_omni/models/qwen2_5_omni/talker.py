@@ -34,6 +34,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 from vllm.sequence import IntermediateTensors
 
 from vllm_omni.models.qwen2_5_omni.speakers import SPEAKERS_FILE, speakers
+from vllm_omni.models.qwen2_5_omni.talker_decoder import TalkerDecoderLayer
 
 ARCHITECTURE = "Qwen2_5OmniTalkerForCodecGeneration"
 ROPE_KEY = "omni_decoder_rope_parameters"
@@ -97,7 +98,8 @@ class Qwen2_5OmniTalkerForCodecGeneration(nn.Module):
         decoder_config.rope_parameters = getattr(config, ROPE_KEY, config.rope_parameters)
         self.mrope = "mrope_section" in decoder_config.rope_parameters
         self.model = Qwen2Model(
-            vllm_config=vllm_config.with_hf_config(decoder_config), prefix=f"{prefix}model"
+            vllm_config=vllm_config.with_hf_config(decoder_config), prefix=f"{prefix}model",
+            decoder_layer_type=TalkerDecoderLayer,
         )
         # Codec embeddings live at the thinker's width, before the projection.
         self.model.embed_tokens = VocabParallelEmbedding(
