@@ -6,8 +6,7 @@
 Decodes windows of `--codes` codes (HF's defaults: 10 solver steps, CFG), batch sizes
 `--batch`, eager and compiled with dynamic shapes, and reports per-window seconds (median of
 `--repeats`), the speed-up, the largest difference between the two waveforms, the compile
-time of the first call, and how many times Dynamo compiled (a compile per shape would count
-one per length and batch size).
+time of the first call, and how many graphs Dynamo compiled over all the shapes.
 """
 
 from __future__ import annotations

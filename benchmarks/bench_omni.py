@@ -101,7 +101,7 @@ def main() -> None:
 
     async def run_all() -> dict:
         omni = AsyncOmniLLM(folder, dtype="float32", max_model_len=2048)
-        rate = omni.audio_stage.sample_rate
+        rate = omni.audio_stage.info.sample_rate
         def params(stream: bool) -> list:
             return [SamplingParams(temperature=0, max_tokens=args.text_tokens),
                     {"temperature": 0, "max_tokens": args.codes, "stop_token_ids": [],

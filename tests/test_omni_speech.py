@@ -209,6 +209,33 @@ def test_code2wav_batch_equals_hf_one_by_one(tiny_omni):
     assert not torch.allclose(batched[0], batched[1])
 
 
+def test_compiled_code2wav_equals_eager(tiny_omni):
+    """`compile: true` (the code2wav stage's option): the DiT and vocoder through inductor
+    give eager's waveform."""
+    from vllm_omni.engine.code2wav.sampler import request_noise, sample_mels
+    from vllm_omni.models.qwen2_5_omni.speakers import speakers
+    from vllm_omni.models.qwen2_5_omni.token2wav import compile_token2wav, load_token2wav
+
+    eager, _ = load_token2wav(tiny_omni, "float32", "cpu")
+    compiled, _ = load_token2wav(tiny_omni, "float32", "cpu")
+    compile_token2wav(compiled)
+    voice = speakers(tiny_omni)["Chelsie"]
+
+    def decode(model, codes):
+        n, dit = len(codes), model.code2wav_dit_model
+        noise = torch.stack([request_noise(i, codes.shape[1] * dit.repeats, dit.mel_dim,
+                                           torch.float32) for i in range(n)])
+        with torch.no_grad():
+            mels = sample_mels(dit, codes, voice["cond"][None].expand(n, -1),
+                               voice["ref_mel"].expand(n, -1, -1), noise, 4, 0.5, -1.0)
+            return model.code2wav_bigvgan_model(mels).reshape(n, -1)
+
+    codes = torch.randint(0, 100, (2, 30), generator=torch.Generator().manual_seed(0))
+    wave = decode(compiled, codes)
+    torch.testing.assert_close(wave, decode(eager, codes), atol=1e-5, rtol=0)
+    assert not torch.allclose(wave[0], wave[1])
+
+
 def run(llm, coro, timeout: float = 300):
     return asyncio.run_coroutine_threadsafe(coro, llm._loop).result(timeout)
 

@@ -64,3 +64,11 @@ def load_token2wav(folder: str, dtype: str, device: str) -> tuple[Any, int]:
     rate = CODEC_HZ * config.dit_config.repeats * math.prod(config.bigvgan_config.upsample_rates)
     return model, rate
 
+
+
+def compile_token2wav(model: Any) -> None:
+    """The DiT and the vocoder through torch.compile (inductor), with dynamic shapes. Compiling
+    takes a while (minutes on a CPU for the 7B's depth), paid by the first decode; Dynamo
+    still compiles again for some new lengths and batch sizes."""
+    model.code2wav_dit_model = torch.compile(model.code2wav_dit_model, dynamic=True)
+    model.code2wav_bigvgan_model = torch.compile(model.code2wav_bigvgan_model, dynamic=True)
