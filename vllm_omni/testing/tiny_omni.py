@@ -114,9 +114,7 @@ def _decoder_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_h
 
 TINY = {
     "thinker": _decoder_shape(128, 256, 2, heads=4, kv_heads=2),
-    # Heads as wide as vLLM's CPU attention needs (32), and, as in the released talker, not
-    # hidden_size / num_heads wide.
-    "talker": _decoder_shape(64, 128, 2, heads=4, kv_heads=2, head_dim=32),
+    "talker": _decoder_shape(64, 128, 2, heads=2, kv_heads=1),  # vLLM's CPU attention: >= 32
     "audio": {"encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 128,
               "d_model": 64},
     "vision": {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,

@@ -108,10 +108,11 @@ class HiddenStatesMixin:
         from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.forward_context import get_forward_context
 
+        # Every rank runs the hooks: looking token ids up is a collective under tensor
+        # parallelism. Only the first rank keeps what they capture.
         self._omni_keeps = get_tensor_model_parallel_rank() == 0
-        if not self._omni_keeps:
-            return
-        if self.vllm_config.cache_config.enable_prefix_caching:
+        self._omni_prefix_cache = self.vllm_config.cache_config.enable_prefix_caching
+        if self._omni_keeps and self._omni_prefix_cache:
             kv = self.model_runner.kv_cache_config
             self._omni_store = RowStore(
                 kv.num_blocks, kv.kv_cache_groups[0].kv_cache_spec.block_size)
@@ -140,8 +141,6 @@ class HiddenStatesMixin:
     def execute_model(self, scheduler_output: Any):
         if not hasattr(self, "_omni_rows"):
             self._hidden_setup()
-        if not self._omni_keeps:
-            return super().execute_model(scheduler_output)
         for req in scheduler_output.scheduled_new_reqs:
             extra = (req.sampling_params.extra_args or {}) if req.sampling_params else {}
             if REQUEST_KEY in extra:
@@ -149,12 +148,17 @@ class HiddenStatesMixin:
                 self._omni_rows.setdefault(self._omni_keys[req.req_id], RequestRows())
         starts = step_starts(scheduler_output)
         self._omni_step = {}
-        self._omni_capture = bool(self._omni_keys) or self._omni_store is not None
+        self._omni_capture = bool(self._omni_keys) or self._omni_prefix_cache
         try:
             output = super().execute_model(scheduler_output)
         finally:
             self._omni_capture = False
         step, self._omni_step = self._omni_step, {}
+        if not self._omni_keeps:
+            self._omni_rows.clear()
+            for req_id in scheduler_output.finished_req_ids:
+                self._omni_keys.pop(req_id, None)
+            return output
         if all(name in step for name in ROWS):
             self._keep_step(step, scheduler_output.num_scheduled_tokens, starts)
         for req in scheduler_output.scheduled_new_reqs:
