@@ -145,7 +145,8 @@ class HiddenStatesMixin:
             extra = (req.sampling_params.extra_args or {}) if req.sampling_params else {}
             if REQUEST_KEY in extra:
                 self._omni_keys[req.req_id] = str(extra[REQUEST_KEY])
-                self._omni_rows.setdefault(self._omni_keys[req.req_id], RequestRows())
+                if self._omni_keeps:
+                    self._omni_rows.setdefault(self._omni_keys[req.req_id], RequestRows())
         starts = step_starts(scheduler_output)
         self._omni_step = {}
         self._omni_capture = bool(self._omni_keys) or self._omni_prefix_cache
@@ -154,21 +155,17 @@ class HiddenStatesMixin:
         finally:
             self._omni_capture = False
         step, self._omni_step = self._omni_step, {}
-        if not self._omni_keeps:
-            self._omni_rows.clear()
-            for req_id in scheduler_output.finished_req_ids:
-                self._omni_keys.pop(req_id, None)
-            return output
-        if all(name in step for name in ROWS):
-            self._keep_step(step, scheduler_output.num_scheduled_tokens, starts)
-        for req in scheduler_output.scheduled_new_reqs:
-            state = self.model_runner.requests.get(req.req_id)
-            positions = getattr(state, "mrope_positions", None)
-            if req.req_id in self._omni_keys and positions is not None:
-                self._omni_rows[self._omni_keys[req.req_id]].extra = {
-                    "positions": positions.to("cpu", copy=True),
-                    "position_delta": torch.tensor([state.mrope_position_delta]),
-                }
+        if self._omni_keeps:
+            if all(name in step for name in ROWS):
+                self._keep_step(step, scheduler_output.num_scheduled_tokens, starts)
+            for req in scheduler_output.scheduled_new_reqs:
+                state = self.model_runner.requests.get(req.req_id)
+                positions = getattr(state, "mrope_positions", None)
+                if req.req_id in self._omni_keys and positions is not None:
+                    self._omni_rows[self._omni_keys[req.req_id]].extra = {
+                        "positions": positions.to("cpu", copy=True),
+                        "position_delta": torch.tensor([state.mrope_position_delta]),
+                    }
         for req_id in scheduler_output.finished_req_ids:
             self._omni_keys.pop(req_id, None)
         return output
