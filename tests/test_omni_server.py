@@ -381,6 +381,56 @@ def test_playground_speaks(server, browser):
     page.close()
 
 
+# -- /v1/audio/transcriptions: the thinker hears an upload -------------------------------
+
+
+def spoken_file(fmt: str) -> bytes:
+    """A second of a gliding tone with noise at 24 kHz (the tiny model hears no words; what
+    matters is that every container gives the thinker the same samples)."""
+    rng = np.random.default_rng(3)
+    t = np.arange(24000) / 24000
+    wave = 0.3 * np.sin(2 * np.pi * (200 + 300 * t) * t) + 0.05 * rng.standard_normal(t.size)
+    buf = io.BytesIO()
+    soundfile.write(buf, wave.astype(np.float32), 24000, format=fmt.upper(), subtype="PCM_16")
+    return buf.getvalue()
+
+
+def test_transcription_is_the_chat_answer_to_its_turn(client):
+    """A transcript is what the chat endpoint answers to the same turn (the card's task
+    prompt beside the audio), as JSON, as text and streamed; flac gives what wav gives."""
+    from vllm_omni.entrypoints.openai.serving_transcription import transcription_messages
+
+    wav = spoken_file("wav")
+    chat = client.chat.completions.create(
+        model=model_name(client), messages=transcription_messages(wav, 16000),
+        temperature=0, max_tokens=THINKER_TOKENS).choices[0].message.content
+    assert chat
+    common = {"model": model_name(client), "extra_body": {"max_tokens": THINKER_TOKENS}}
+    got = client.audio.transcriptions.create(file=("a.wav", wav), **common)
+    assert got.text == chat and got.usage.output_tokens > 0
+    assert client.audio.transcriptions.create(file=("a.flac", spoken_file("flac")),
+                                              **common).text == chat
+    assert client.audio.transcriptions.create(file=("a.wav", wav), response_format="text",
+                                              **common) == chat
+    events = list(client.audio.transcriptions.create(file=("a.wav", wav), stream=True,
+                                                     **common))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == chat
+    assert events[-1].type == "transcript.text.done" and events[-1].text == chat
+
+
+@pytest.mark.parametrize("files, data, match", [
+    ({"file": ("a.wav", b"not audio at all")}, {}, "not an audio file"),
+    ({"file": ("a.wav", spoken_file("wav"))}, {"response_format": "srt"}, "response_format"),
+    ({}, {"prompt": "hi"}, "file"),
+])
+def test_bad_transcriptions_are_400(server, files, data, match):
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    r = httpx.post(server.url + "/v1/audio/transcriptions", files=files or {"x": ("x", b"")},
+                   data={"model": model, **data}, timeout=60)
+    assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
+
+
 def test_a_dead_code2wav_is_restarted_and_speaks_again(server, client, hf_answer):
     """Last in this module: its server's code2wav is killed mid-answer. That answer ends with
     an error naming the stage, /health is 503 until the stage is back (the default

@@ -159,6 +159,8 @@ def test_every_route_but_health_needs_the_key(limited):
     assert {"input", "voice", "stage_sampling_params"} <= fields("/v1/audio/speech")
     assert {"prompt", "seconds", "size", "num_frames", "fps", "seed"} <= fields("/v1/videos")
     assert {"image", "prompt"} <= fields("/v1/images/edits", "multipart/form-data")
+    assert {"file", "language", "stream"} <= fields("/v1/audio/transcriptions",
+                                                    "multipart/form-data")
     refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(spec)))
     assert refs <= set(spec["components"]["schemas"])
     assert ("post", "/v1/chat/completions") in routes and ("get", "/v1/omni/plan") in routes

@@ -48,6 +48,7 @@ from vllm_omni.entrypoints.openai.serving_chat import OmniServingChat
 from vllm_omni.entrypoints.openai.serving_completion import OmniServingCompletion
 from vllm_omni.entrypoints.openai.serving_images import OmniServingImages
 from vllm_omni.entrypoints.openai.serving_speech import OmniServingSpeech
+from vllm_omni.entrypoints.openai.serving_transcription import OmniServingTranscription
 from vllm_omni.entrypoints.openai.serving_videos import OmniServingVideos
 from vllm_omni.entrypoints.openai.video_jobs import VideoJobs
 
@@ -118,6 +119,7 @@ def api_routes(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespac
                            response_role=args.response_role)
     completions = OmniServingCompletion(omni, served_model_names, renderer)
     speech = OmniServingSpeech(omni, served_model_names, renderer)
+    transcription = OmniServingTranscription(omni, served_model_names, renderer)
     videos = OmniServingVideos(omni, served_model_names,
                                VideoJobs(args.max_video_jobs, args.video_job_ttl, args.video_dir),
                                args.max_video_seconds)
@@ -137,6 +139,8 @@ def api_routes(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespac
               ImageGenerationRequest, "img"),
         Route("POST", "/v1/images/edits", "image_edits", images.edits, FORM, "imgedit"),
         Route("POST", "/v1/audio/speech", "speech", speech.speech, SpeechRequest, "speech"),
+        Route("POST", "/v1/audio/transcriptions", "transcriptions", transcription.transcribe,
+              FORM, "trsc"),
         Route("POST", "/v1/videos", "videos", videos.create, VideoCreateRequest, "video",
               forms=True),
         Route("GET", "/v1/videos", "videos_list", lambda r: videos.list(

@@ -30,6 +30,13 @@ EDIT_FORM = {"type": "object", "required": ["image", "prompt"], "properties": {
     "strength": {"type": "number"}, "negative_prompt": {"type": "string"},
     "priority": {"type": "integer"}}}
 
+TRANSCRIPTION_FORM = {"type": "object", "required": ["file"], "properties": {
+    "file": {"type": "string", "format": "binary"}, "model": {"type": "string"},
+    "language": {"type": "string"}, "prompt": {"type": "string"},
+    "response_format": {"type": "string", "enum": ["json", "text"]},
+    "temperature": {"type": "number"}, "stream": {"type": "boolean"},
+    "max_tokens": {"type": "integer"}}}
+
 
 def _param(name: str, where: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "in": where, "required": where == "path", "schema": schema}
@@ -59,6 +66,7 @@ def describe_bodies(app: FastAPI) -> None:
                 ref_template="#/components/schemas/{model}")) for path, model in
                 JSON_BODIES.items()}
             bodies["/v1/images/edits"] = ("multipart/form-data", EDIT_FORM)
+            bodies["/v1/audio/transcriptions"] = ("multipart/form-data", TRANSCRIPTION_FORM)
             for path, (kind, schema) in bodies.items():
                 shared.update(schema.pop("$defs", {}))
                 spec["paths"][path]["post"]["requestBody"] = {

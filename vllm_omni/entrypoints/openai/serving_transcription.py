@@ -1,0 +1,145 @@
+"""`/v1/audio/transcriptions`: OpenAI's speech-to-text endpoint over a pipeline whose text
+stage hears (Qwen2.5-Omni's thinker). The upload becomes a chat turn, the model card's task
+prompt beside the audio, rendered by the entry stage's own renderer, so a transcription is
+the same prompt as the chat endpoint given that turn; only the text stage runs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from vllm_omni.entrypoints.openai.audio import encode_audio
+from vllm_omni.entrypoints.openai.protocol import (
+    OmniChatCompletionRequest,
+    OmniHTTPError,
+    parse_model,
+    rendered,
+)
+from vllm_omni.entrypoints.openai.serving_base import (
+    OmniServing,
+    TextDeltas,
+    error_event,
+    final_outputs,
+    primed,
+    sse,
+)
+
+# The task as the Qwen2.5-Omni model card asks for speech recognition.
+SYSTEM_PROMPT = "You are a speech recognition model."
+TASK_PROMPT = "Transcribe the {language} audio into text."
+RESPONSE_FORMATS = {"json", "text"}
+# Fields of OpenAI's request this endpoint has no use for, and what it does about them:
+# `prompt` (a style hint for Whisper) is given to the model after the task.
+IGNORED = {"timestamp_granularities[]", "timestamp_granularities", "chunking_strategy",
+           "include[]", "include"}
+
+
+class OmniServingTranscription(OmniServing):
+    """Transcribes an uploaded audio file (wav, flac, mp3, anything libsndfile reads) with the
+    text stage: as JSON, as plain text, or streamed as `transcript.text.delta` events."""
+
+    _rate: int | None = None
+
+    async def transcribe(self, form: dict[str, list[Any]], request_id: str
+                         ) -> dict | tuple[bytes, str] | AsyncIterator[str]:
+        upload = (form.pop("file", None) or [None])[-1]
+        if not isinstance(upload, bytes | bytearray) or not upload:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "file: an audio file is required",
+                                "file")
+        fields = {k: v[-1] for k, v in form.items() if k not in IGNORED}
+        self.check_model(fields.pop("model", None))
+        if self.renderer is None or self.omni.text_stage is None:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"pipeline {self.omni.pipeline.name!r}"
+                                " has no text stage to transcribe with")
+        fmt = fields.pop("response_format", "json")
+        if fmt not in RESPONSE_FORMATS:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"response_format {fmt!r} is not "
+                                f"supported; use one of {sorted(RESPONSE_FORMATS)}",
+                                "response_format")
+        stream = str(fields.pop("stream", "false")).lower() == "true"
+        request = parse_model(OmniChatCompletionRequest, {
+            "messages": transcription_messages(upload, self._hearing_rate(),
+                                               fields.pop("language", None),
+                                               fields.pop("prompt", None)),
+            "temperature": float(fields.pop("temperature", 0) or 0),
+            "stream": stream, **fields,
+        })
+        _, (engine_input,) = await rendered(self.renderer.render_chat(request))
+        prompt_len = len(engine_input["prompt_token_ids"])
+        params = self.text_request_params(request, prompt_len)
+        outputs = self.omni.generate(engine_input, params, request_id, ["text"])
+        if stream:
+            return self._events(await primed(outputs), prompt_len)
+        text = (await final_outputs(outputs))["text"]
+        transcript = text.outputs[0].text
+        if fmt == "text":
+            return transcript.encode(), "text/plain; charset=utf-8"
+        return {"text": transcript, "usage": _usage(prompt_len, text.num_generated_tokens)}
+
+    def _hearing_rate(self) -> int:
+        """The sample rate the model's feature extractor takes (vLLM would resample others
+        with torchaudio, which the CPU build does not have)."""
+        if self._rate is None:
+            from transformers import AutoFeatureExtractor
+
+            self._rate = int(AutoFeatureExtractor.from_pretrained(self.omni.model).sampling_rate)
+        return self._rate
+
+    async def _events(self, outputs: AsyncIterator, prompt_len: int) -> AsyncIterator[str]:
+        text, whole = TextDeltas(), ""
+        try:
+            async for out in outputs:
+                for delta in text.take(out):
+                    whole += delta.text
+                    if delta.text:
+                        yield sse(json.dumps({"type": "transcript.text.delta",
+                                              "delta": delta.text}))
+        except Exception as e:  # headers are sent: the error goes into the stream
+            yield error_event(e)
+            return
+        yield sse(json.dumps({"type": "transcript.text.done", "text": whole,
+                              "usage": _usage(prompt_len, text.generated)}))
+
+
+def transcription_messages(audio_file: bytes, rate: int, language: str | None = None,
+                           prompt: str | None = None) -> list[dict]:
+    """The chat turn that asks for a transcript of `audio_file`, its audio as 16-bit mono
+    wav at `rate` (what the renderer reads, whatever container and rate it came in); a 400
+    for what is no audio."""
+    import soundfile
+    from scipy.signal import resample_poly
+
+    try:
+        waveform, sample_rate = soundfile.read(io.BytesIO(audio_file), dtype="float32",
+                                        always_2d=True)
+    except Exception as e:  # libsndfile's errors come as several types
+        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"file: not an audio file this server "
+                            f"reads (wav, flac, mp3, ogg): {e}", "file") from None
+    if waveform.shape[0] == 0:
+        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "file: the audio is empty", "file")
+    mono = waveform.mean(axis=1)
+    if sample_rate != rate:
+        common = math.gcd(sample_rate, rate)
+        mono = resample_poly(mono, rate // common, sample_rate // common)
+    wav = encode_audio(mono, rate, "wav")
+    task = TASK_PROMPT.format(language=language or "spoken")
+    if prompt:
+        task += " " + prompt
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": [
+            {"type": "input_audio",
+             "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+            {"type": "text", "text": task},
+        ]},
+    ]
+
+
+def _usage(prompt_len: int, generated: int) -> dict:
+    return {"type": "tokens", "input_tokens": prompt_len, "output_tokens": generated,
+            "total_tokens": prompt_len + generated}
