@@ -22,6 +22,7 @@ ROUTES = [
     ("POST", "/v1/images/generations"),
     ("POST", "/v1/images/edits"),
     ("POST", "/v1/audio/speech"),
+    ("POST", "/v1/audio/transcriptions"),
     ("POST", "/v1/videos"),
     ("GET", "/v1/videos"),
     ("GET", "/v1/videos/{video_id}"),

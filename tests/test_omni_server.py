@@ -397,14 +397,21 @@ def spoken_file(fmt: str) -> bytes:
 
 def test_transcription_is_the_chat_answer_to_its_turn(client):
     """A transcript is what the chat endpoint answers to the same turn (the card's task
-    prompt beside the audio), as JSON, as text and streamed; flac gives what wav gives."""
+    prompt beside the audio), as JSON, as text and streamed; flac gives what wav gives, and
+    chat hears a part at another rate as the model's (vLLM alone would fail on it)."""
     from vllm_omni.entrypoints.openai.serving_transcription import transcription_messages
 
     wav = spoken_file("wav")
-    chat = client.chat.completions.create(
-        model=model_name(client), messages=transcription_messages(wav, 16000),
-        temperature=0, max_tokens=THINKER_TOKENS).choices[0].message.content
+
+    def chat_answer(messages: list[dict]) -> str:
+        return client.chat.completions.create(
+            model=model_name(client), messages=messages, temperature=0,
+            max_tokens=THINKER_TOKENS).choices[0].message.content
+
+    chat = chat_answer(transcription_messages(wav, 16000))
     assert chat
+    # Chat resamples an input_audio part itself: the 24 kHz file as it is, the same answer.
+    assert chat_answer(transcription_messages(wav, 24000)) == chat
     common = {"model": model_name(client), "extra_body": {"max_tokens": THINKER_TOKENS}}
     got = client.audio.transcriptions.create(file=("a.wav", wav), **common)
     assert got.text == chat and got.usage.output_tokens > 0

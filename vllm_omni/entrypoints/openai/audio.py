@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 from http import HTTPStatus
 
 import numpy as np
@@ -34,6 +35,31 @@ def encode_audio(waveform: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     soundfile.write(buf, np.clip(waveform, -1.0, 1.0), sample_rate, subtype=subtype,
                     format=container, **extra)
     return buf.getvalue()
+
+
+def heard_wav(audio_file: bytes, rate: int) -> bytes | None:
+    """`audio_file` (any container soundfile reads) as 16-bit mono wav at `rate`, resampled
+    with scipy where its own rate differs; None where it already is that; ValueError for
+    what is no audio."""
+    import soundfile
+    from scipy.signal import resample_poly
+
+    try:
+        info = soundfile.info(io.BytesIO(audio_file))
+        if info.samplerate == rate and info.channels == 1 and info.format == "WAV":
+            return None
+        waveform, own_rate = soundfile.read(io.BytesIO(audio_file), dtype="float32",
+                                            always_2d=True)
+    except Exception as e:  # libsndfile's errors come as several types
+        raise ValueError(f"not an audio file this server reads (wav, flac, mp3, ogg): {e}"
+                         ) from None
+    if waveform.shape[0] == 0:
+        raise ValueError("the audio is empty")
+    mono = waveform.mean(axis=1)
+    if own_rate != rate:
+        common = math.gcd(own_rate, rate)
+        mono = resample_poly(mono, rate // common, own_rate // common)
+    return encode_audio(mono, rate, "wav")
 
 
 def audio_b64(waveform: np.ndarray, sample_rate: int, fmt: str) -> str:

@@ -92,6 +92,20 @@ class OmniServing:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    def hearing_rate(self) -> int | None:
+        """The sample rate the model's audio feature extractor takes; None for a model that
+        has none. Uploads at other rates are resampled to it here: vLLM would resample with
+        torchaudio, which the CPU install cannot have."""
+        if not hasattr(self, "_hearing_rate"):
+            from transformers import AutoFeatureExtractor
+
+            try:
+                extractor = AutoFeatureExtractor.from_pretrained(self.omni.model)
+            except Exception:  # no preprocessor config, or none of audio: it does not hear
+                extractor = None
+            self._hearing_rate = getattr(extractor, "sampling_rate", None)
+        return self._hearing_rate
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             raise OmniHTTPError(

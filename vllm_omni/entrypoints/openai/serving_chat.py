@@ -8,6 +8,7 @@ token for token as under `vllm serve`; text answers use vLLM's response models.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ from vllm_omni.entrypoints.openai.audio import (
     AudioPieces,
     audio_b64,
     check_voice_and_format,
+    heard_wav,
 )
 from vllm_omni.entrypoints.openai.images import chat_image_prompt, image_parts
 from vllm_omni.entrypoints.openai.protocol import (
@@ -84,7 +86,7 @@ class OmniServingChat(OmniServing):
             return await self._chat_image(request, request_id)
         self._check_chat_answer(request)
         extra = self._audio_params(request)
-        request = self._with_system_prompt(request)
+        request = self._with_system_prompt(self._audio_heard(request))
         _, engine_inputs = await rendered(self.renderer.render_chat(request))
         (engine_input,) = engine_inputs
         prompt_len = len(engine_input["prompt_token_ids"])
@@ -121,6 +123,20 @@ class OmniServingChat(OmniServing):
             return request
         system = {"role": "system", "content": wanted[0]}
         return request.model_copy(update={"messages": [system, *request.messages]})
+
+    def _audio_heard(self, request: OmniChatCompletionRequest) -> OmniChatCompletionRequest:
+        """The request with its `input_audio` parts at the rate the model hears (see
+        `hearing_rate`); a part that is no audio is left for the renderer to refuse."""
+        rate = self.hearing_rate()
+        messages, changed = [], False
+        for message in request.messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                parts = [_heard_part(part, rate) for part in content]
+                if any(new is not old for new, old in zip(parts, content, strict=True)):
+                    message, changed = {**message, "content": parts}, True
+            messages.append(message)
+        return request.model_copy(update={"messages": messages}) if changed else request
 
     def _audio_params(self, request: OmniChatCompletionRequest) -> dict[str, dict]:
         """Checks an audio answer can be made; the voice as the audio stage's parameter."""
@@ -312,6 +328,20 @@ class OmniServingChat(OmniServing):
         if include_usage:  # the usage chunk also says how long each stage took
             yield chunk([], usage_info(prompt_len, text.generated), stage_seconds=seconds)
         yield sse("[DONE]")
+
+
+def _heard_part(part: Any, rate: int | None) -> Any:
+    """An `input_audio` content part re-encoded at `rate` where it has another; else `part`."""
+    audio = part.get("input_audio") if isinstance(part, dict) else None
+    if rate is None or part.get("type") != "input_audio" or not isinstance(audio, dict):
+        return part
+    try:
+        wav = heard_wav(base64.b64decode(audio.get("data") or "", validate=True), rate)
+    except (ValueError, TypeError):  # not base64, or no audio: the renderer says so
+        return part
+    if wav is None:
+        return part
+    return {**part, "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
 
 
 def _stage_seconds(outputs) -> dict[str, float]:

@@ -6,14 +6,12 @@ the same prompt as the chat endpoint given that turn; only the text stage runs."
 from __future__ import annotations
 
 import base64
-import io
 import json
-import math
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
-from vllm_omni.entrypoints.openai.audio import encode_audio
+from vllm_omni.entrypoints.openai.audio import heard_wav
 from vllm_omni.entrypoints.openai.protocol import (
     OmniChatCompletionRequest,
     OmniHTTPError,
@@ -43,8 +41,6 @@ class OmniServingTranscription(OmniServing):
     """Transcribes an uploaded audio file (wav, flac, mp3, anything libsndfile reads) with the
     text stage: as JSON, as plain text, or streamed as `transcript.text.delta` events."""
 
-    _rate: int | None = None
-
     async def transcribe(self, form: dict[str, list[Any]], request_id: str
                          ) -> dict | tuple[bytes, str] | AsyncIterator[str]:
         upload = (form.pop("file", None) or [None])[-1]
@@ -53,9 +49,9 @@ class OmniServingTranscription(OmniServing):
                                 "file")
         fields = {k: v[-1] for k, v in form.items() if k not in IGNORED}
         self.check_model(fields.pop("model", None))
-        if self.renderer is None or self.omni.text_stage is None:
+        if self.renderer is None or self.hearing_rate() is None:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"pipeline {self.omni.pipeline.name!r}"
-                                " has no text stage to transcribe with")
+                                " has no text stage that hears audio")
         fmt = fields.pop("response_format", "json")
         if fmt not in RESPONSE_FORMATS:
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"response_format {fmt!r} is not "
@@ -63,7 +59,7 @@ class OmniServingTranscription(OmniServing):
                                 "response_format")
         stream = str(fields.pop("stream", "false")).lower() == "true"
         request = parse_model(OmniChatCompletionRequest, {
-            "messages": transcription_messages(upload, self._hearing_rate(),
+            "messages": transcription_messages(upload, self.hearing_rate(),
                                                fields.pop("language", None),
                                                fields.pop("prompt", None)),
             "temperature": float(fields.pop("temperature", 0) or 0),
@@ -80,15 +76,6 @@ class OmniServingTranscription(OmniServing):
         if fmt == "text":
             return transcript.encode(), "text/plain; charset=utf-8"
         return {"text": transcript, "usage": _usage(prompt_len, text.num_generated_tokens)}
-
-    def _hearing_rate(self) -> int:
-        """The sample rate the model's feature extractor takes (vLLM would resample others
-        with torchaudio, which the CPU build does not have)."""
-        if self._rate is None:
-            from transformers import AutoFeatureExtractor
-
-            self._rate = int(AutoFeatureExtractor.from_pretrained(self.omni.model).sampling_rate)
-        return self._rate
 
     async def _events(self, outputs: AsyncIterator, prompt_len: int) -> AsyncIterator[str]:
         text, whole = TextDeltas(), ""
@@ -111,22 +98,10 @@ def transcription_messages(audio_file: bytes, rate: int, language: str | None = 
     """The chat turn that asks for a transcript of `audio_file`, its audio as 16-bit mono
     wav at `rate` (what the renderer reads, whatever container and rate it came in); a 400
     for what is no audio."""
-    import soundfile
-    from scipy.signal import resample_poly
-
     try:
-        waveform, sample_rate = soundfile.read(io.BytesIO(audio_file), dtype="float32",
-                                        always_2d=True)
-    except Exception as e:  # libsndfile's errors come as several types
-        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"file: not an audio file this server "
-                            f"reads (wav, flac, mp3, ogg): {e}", "file") from None
-    if waveform.shape[0] == 0:
-        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "file: the audio is empty", "file")
-    mono = waveform.mean(axis=1)
-    if sample_rate != rate:
-        common = math.gcd(sample_rate, rate)
-        mono = resample_poly(mono, rate // common, sample_rate // common)
-    wav = encode_audio(mono, rate, "wav")
+        wav = heard_wav(audio_file, rate) or audio_file
+    except ValueError as e:
+        raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"file: {e}", "file") from None
     task = TASK_PROMPT.format(language=language or "spoken")
     if prompt:
         task += " " + prompt
