@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -126,13 +126,13 @@ class OmniServingChat(OmniServing):
 
     def _audio_heard(self, request: OmniChatCompletionRequest) -> OmniChatCompletionRequest:
         """The request with its `input_audio` parts at the rate the model hears (see
-        `hearing_rate`); a part that is no audio is left for the renderer to refuse."""
-        rate = self.hearing_rate()
+        `hearing_rate`, read only once a request has audio); a part that is no audio is left
+        for the renderer to refuse."""
         messages, changed = [], False
         for message in request.messages:
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list):
-                parts = [_heard_part(part, rate) for part in content]
+                parts = [_heard_part(part, self.hearing_rate) for part in content]
                 if any(new is not old for new, old in zip(parts, content, strict=True)):
                     message, changed = {**message, "content": parts}, True
             messages.append(message)
@@ -330,10 +330,16 @@ class OmniServingChat(OmniServing):
         yield sse("[DONE]")
 
 
-def _heard_part(part: Any, rate: int | None) -> Any:
-    """An `input_audio` content part re-encoded at `rate` where it has another; else `part`."""
-    audio = part.get("input_audio") if isinstance(part, dict) else None
-    if rate is None or part.get("type") != "input_audio" or not isinstance(audio, dict):
+def _heard_part(part: Any, hearing_rate: Callable[[], int | None]) -> Any:
+    """An `input_audio` content part re-encoded at the rate the model hears where it has
+    another; else `part`."""
+    if not isinstance(part, dict) or part.get("type") != "input_audio":
+        return part
+    audio = part.get("input_audio")
+    if not isinstance(audio, dict):
+        return part
+    rate = hearing_rate()
+    if rate is None:
         return part
     try:
         wav = heard_wav(base64.b64decode(audio.get("data") or "", validate=True), rate)
