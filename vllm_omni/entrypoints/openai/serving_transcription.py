@@ -31,8 +31,8 @@ from vllm_omni.entrypoints.openai.serving_base import (
 SYSTEM_PROMPT = "You are a speech recognition model."
 TASK_PROMPT = "Transcribe the {language} audio into text."
 RESPONSE_FORMATS = {"json", "text"}
-# Fields of OpenAI's request this endpoint has no use for, and what it does about them:
-# `prompt` (a style hint for Whisper) is given to the model after the task.
+# Fields of OpenAI's request about timestamps and segmenting, which a model that writes no
+# timestamps has no use for: dropped. (`prompt`, Whisper's style hint, follows the task.)
 IGNORED = {"timestamp_granularities[]", "timestamp_granularities", "chunking_strategy",
            "include[]", "include"}
 
