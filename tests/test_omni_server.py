@@ -438,6 +438,138 @@ def test_bad_transcriptions_are_400(server, files, data, match):
     assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
 
 
+# -- WS /v1/realtime: a conversation over the openai package's realtime client -----------
+
+
+def realtime_answer(conn, create: dict | None = None) -> tuple[list, str, bytes]:
+    """Asks for a response; its events up to response.done, its text or transcript, and
+    its audio."""
+    conn.send({"type": "response.create", **({"response": create} if create else {})})
+    events = []
+    while not events or events[-1].type != "response.done":
+        events.append(conn.recv())
+    text = "".join(e.delta for e in events if e.type in (
+        "response.output_text.delta", "response.output_audio_transcript.delta"))
+    audio = b"".join(base64.b64decode(e.delta) for e in events
+                     if e.type == "response.output_audio.delta")
+    return events, text, audio
+
+
+REALTIME_SPEECH = {"temperature": 0, "max_output_tokens": THINKER_TOKENS,
+                   "stage_sampling_params": SPEECH["extra_body"]["stage_sampling_params"],
+                   "audio": {"output": {"voice": "Ethan"}}}
+
+
+def realtime_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_realtime_text_turn_speaks_like_chat(server, client, hf_answer):
+    """A text item and response.create: the transcript is HF's and the audio deltas are
+    what the chat endpoint streams for the same conversation, in the protocol's order."""
+    text, _ = hf_answer
+    _, chat_audio = stream_speech(client, {"seed": SEED})
+    with realtime_client(server).realtime.connect(model=model_name(client)) as conn:
+        created = conn.recv()
+        assert created.type == "session.created"
+        assert created.session.output_modalities == ["audio"]
+        conn.session.update(session=REALTIME_SPEECH)
+        assert conn.recv().type == "session.updated"
+        conn.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": MESSAGES[0]["content"]}]})
+        assert [conn.recv().type for _ in range(2)] == ["conversation.item.added",
+                                                        "conversation.item.done"]
+        events, transcript, audio = realtime_answer(conn)
+    assert transcript == text
+    np.testing.assert_array_equal(pcm16([audio]), pcm16(chat_audio))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.output_item.added",
+                         "conversation.item.added", "response.content_part.added"]
+    assert kinds.count("response.output_audio.delta") == CHUNKS
+    done = events[-1].response
+    assert done.status == "completed" and done.output[0].content[0].transcript == text
+    assert done.usage.output_tokens == THINKER_TOKENS + TALKER_TOKENS
+
+
+def test_realtime_audio_turn_answers_like_chat(server, client):
+    """Input audio appended in pieces and committed: the text answer is chat's to the same
+    audio (24 kHz pcm16, heard at the model's rate); the next turn keeps the history."""
+    samples, _ = soundfile.read(io.BytesIO(spoken_file("wav")), dtype="int16")
+    wav24 = base64.b64encode(spoken_file("wav")).decode()
+    turn = {"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": wav24, "format": "wav"}}]}
+    chat = client.chat.completions.create(model=model_name(client), messages=[turn],
+                                          temperature=0, max_tokens=THINKER_TOKENS)
+    answer = chat.choices[0].message.content
+    follow = client.chat.completions.create(
+        model=model_name(client), temperature=0, max_tokens=THINKER_TOKENS,
+        messages=[turn, {"role": "assistant", "content": answer},
+                  {"role": "user", "content": "And then?"}]).choices[0].message.content
+    with realtime_client(server).realtime.connect(model=model_name(client)) as conn:
+        conn.recv()
+        conn.session.update(session={"output_modalities": ["text"], "temperature": 0,
+                                     "max_output_tokens": THINKER_TOKENS})
+        conn.recv()
+        for piece in np.array_split(samples, 5):
+            conn.input_audio_buffer.append(audio=base64.b64encode(piece.tobytes()).decode())
+        conn.input_audio_buffer.commit()
+        assert conn.recv().type == "input_audio_buffer.committed"
+        conn.recv(), conn.recv()  # the user item, added and done
+        assert realtime_answer(conn)[1] == answer
+        conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "And then?"}]})
+        conn.recv(), conn.recv()
+        assert realtime_answer(conn)[1] == follow
+
+
+def test_realtime_cancel_stops_every_stage_and_errors_keep_the_socket(server, client):
+    """Bad events are `error` events on an open socket; response.cancel ends a long spoken
+    answer as cancelled, with no request left in any stage, and the next one runs."""
+    import re
+    import time
+
+    def running() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return sum(float(v) for v in re.findall(
+            r"^vllm:num_requests_running(?:{[^}]*})? (\S+)$", text, re.M))
+
+    with realtime_client(server).realtime.connect(model=model_name(client)) as conn:
+        conn.recv()
+        for raw, code in [("{not json", "invalid_json"), ('{"type": "nothing.here"}',
+                                                          "unknown_event"),
+                          ('{"type": "input_audio_buffer.commit"}',
+                           "input_audio_buffer_commit_empty"),
+                          ('{"type": "input_audio_buffer.append", "audio": "!!"}',
+                           "invalid_value"),
+                          ('{"type": "response.cancel"}', "response_cancel_not_active")]:
+            conn.send_raw(raw)
+            event = conn.recv()
+            assert event.type == "error" and event.error.code == code, (raw, event)
+        conn.session.update(session={"audio": {"output": {"voice": "Nobody"}}})
+        event = conn.recv()
+        assert event.type == "error" and "unknown voice" in event.error.message
+        conn.session.update(session={"stage_sampling_params": {
+            "talker": {"max_tokens": 600, "stop_token_ids": []}}})
+        conn.recv()
+        conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "Tell me everything."}]})
+        conn.recv(), conn.recv()
+        conn.response.create()
+        while (event := conn.recv()).type != "response.output_audio.delta":
+            pass
+        conn.response.cancel()
+        while (event := conn.recv()).type != "response.done":
+            pass
+        assert event.response.status == "cancelled"
+        deadline = time.monotonic() + 10
+        while running() > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert running() == 0
+        _, text, _ = realtime_answer(conn, {"output_modalities": ["text"]})
+        assert text
+
+
 def test_a_dead_code2wav_is_restarted_and_speaks_again(server, client, hf_answer):
     """Last in this module: its server's code2wav is killed mid-answer. That answer ends with
     an error naming the stage, /health is 503 until the stage is back (the default

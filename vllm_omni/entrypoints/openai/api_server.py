@@ -43,6 +43,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     VideoCreateRequest,
     error_response,
 )
+from vllm_omni.entrypoints.openai.realtime import RealtimeEndpoint
 from vllm_omni.entrypoints.openai.serving_base import EntryRenderer
 from vllm_omni.entrypoints.openai.serving_chat import OmniServingChat
 from vllm_omni.entrypoints.openai.serving_completion import OmniServingCompletion
@@ -61,9 +62,11 @@ PLAYGROUND = Path(__file__).parent / "playground"
 def build_app(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace) -> FastAPI:
     app = FastAPI(title="vllm-omni", docs_url=None if args.disable_fastapi_docs else "/docs")
     add_middlewares(app, args, admission_lanes(omni))
-    for route in api_routes(omni, served_model_names, args):
+    routes, realtime = api_routes(omni, served_model_names, args)
+    for route in routes:
         app.add_api_route(route.path, _endpoint(route, args.request_timeout),
                           methods=[route.method], openapi_extra=route.openapi_extra)
+    app.add_api_websocket_route("/v1/realtime", realtime.serve)
     add_service_routes(app, omni, served_model_names, args)
     describe_bodies(app)
     return app
@@ -103,8 +106,8 @@ def add_middlewares(app: FastAPI, args: Namespace, lanes: list[tuple[str, Lane]]
 
 
 def api_routes(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespace
-               ) -> list[Route]:
-    """The OpenAI API's routes, each bound to its serving."""
+               ) -> tuple[list[Route], RealtimeEndpoint]:
+    """The OpenAI API's HTTP routes, each bound to its serving, and its Realtime socket."""
     from vllm.renderers.chat_utils import load_chat_template
 
     # The entry stage's renderer, shared: chat, completions and speech render alike.
@@ -130,6 +133,7 @@ def api_routes(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespac
     def query(r: Request, name: str) -> str | None:
         return r.query_params.get(name)
 
+    realtime = RealtimeEndpoint(chat, [k for k in (args.api_key or []) if k])
     return [
         Route("POST", "/v1/chat/completions", "chat", chat.chat,
               OmniChatCompletionRequest, "chatcmpl"),
@@ -153,7 +157,7 @@ def api_routes(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespac
         Route("GET", "/v1/videos/{video_id}/content", "videos_content",
               lambda r: videos.content(path(r, "video_id"), query(r, "variant")),
               openapi_extra=VIDEO_CONTENT_PARAMS),
-    ]
+    ], realtime
 
 
 def _endpoint(route: Route, timeout: float | None):

@@ -84,6 +84,17 @@ class OmniServingChat(OmniServing):
         reject_unsupported(request)
         if self.renderer is None:
             return await self._chat_image(request, request_id)
+        outputs, prompt_len = await self.start(request, request_id)
+        if request.stream:
+            outputs = await primed(outputs)
+            return self._chat_stream(request, request_id, outputs, prompt_len)
+        return await self._chat_full(request, request_id, outputs, prompt_len)
+
+    async def start(self, request: OmniChatCompletionRequest, request_id: str
+                    ) -> tuple[AsyncIterator[OmniRequestOutput], int]:
+        """A text pipeline's answer to `request` as it comes, and its prompt's length: the
+        checks, the rendered prompt and every stage's parameters (the Realtime API's
+        responses start here too)."""
         self._check_chat_answer(request)
         extra = self._audio_params(request)
         request = self._with_system_prompt(self._audio_heard(request))
@@ -91,11 +102,8 @@ class OmniServingChat(OmniServing):
         (engine_input,) = engine_inputs
         prompt_len = len(engine_input["prompt_token_ids"])
         params = self.text_request_params(request, prompt_len, extra)
-        outputs = self.omni.generate(engine_input, params, request_id, request.modalities)
-        if request.stream:
-            outputs = await primed(outputs)
-            return self._chat_stream(request, request_id, outputs, prompt_len)
-        return await self._chat_full(request, request_id, outputs, prompt_len)
+        return self.omni.generate(engine_input, params, request_id, request.modalities), \
+            prompt_len
 
     def _check_chat_answer(self, request: OmniChatCompletionRequest) -> None:
         """A chat answer carries text, images or audio: refuse a request whose final outputs
