@@ -570,6 +570,81 @@ def test_realtime_cancel_stops_every_stage_and_errors_keep_the_socket(server, cl
         assert text
 
 
+def voiced(seconds: float, rate: int = 24000) -> np.ndarray:
+    """A sung vowel: harmonics of a wavering 120 Hz pitch, which voice detectors take for
+    speech (the tiny model understands none of it)."""
+    t = np.arange(int(rate * seconds)) / rate
+    phase = 2 * np.pi * np.cumsum(120 + 20 * np.sin(2 * np.pi * 3 * t)) / rate
+    wave = sum(np.sin(k * phase) / k for k in range(1, 30))
+    return (0.2 * wave / np.abs(wave).max() * 32767).astype("<i2")
+
+
+def append_pcm(conn, samples: np.ndarray, piece_ms: int = 100) -> None:
+    for piece in np.array_split(samples, max(1, len(samples) * 1000 // 24000 // piece_ms)):
+        conn.input_audio_buffer.append(audio=base64.b64encode(piece.tobytes()).decode())
+
+
+def test_realtime_server_vad_takes_turns_and_is_interrupted(server, client):
+    """Server VAD: speech then silence is a turn (started, stopped, committed, answered),
+    twice; speech while an answer is speaking cancels it within a chunk, the answer's item
+    keeps what was sent, and no stage holds the request."""
+    import re
+    import time
+
+    silence = np.zeros(24000, dtype="<i2")
+    with realtime_client(server).realtime.connect(model=model_name(client)) as conn:
+        conn.recv()
+        conn.session.update(session={
+            "output_modalities": ["text"], "temperature": 0, "max_output_tokens": 4,
+            "audio": {"input": {"turn_detection": {"type": "server_vad",
+                                                   "silence_duration_ms": 300}}}})
+        assert conn.recv().session.audio.input.turn_detection.type == "server_vad"
+        starts = []
+        for _ in range(2):
+            append_pcm(conn, np.concatenate([voiced(0.8), silence]))
+            kinds = []
+            while not kinds or kinds[-1] != "response.done":
+                event = conn.recv()
+                kinds.append(event.type)
+                if event.type == "input_audio_buffer.speech_started":
+                    starts.append(event.audio_start_ms)
+                if event.type == "response.done":
+                    assert event.response.status == "completed"
+            assert [k for k in kinds if k.startswith("input_audio_buffer")] == [
+                "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                "input_audio_buffer.committed"], kinds
+        assert starts[0] == 0 and abs(starts[1] - (1800 - 300)) <= 60, starts
+
+        conn.session.update(session={"output_modalities": ["audio"], "stage_sampling_params": {
+            "talker": {"max_tokens": 600, "stop_token_ids": []}}})
+        conn.recv()
+        append_pcm(conn, np.concatenate([voiced(0.8), silence]))
+        while (event := conn.recv()).type != "response.output_audio.delta":
+            pass
+        transcript = []
+        append_pcm(conn, voiced(0.5))
+        after = []
+        while (event := conn.recv()).type != "response.done":
+            if event.type == "response.output_audio_transcript.delta":
+                transcript.append(event.delta)
+            if after or event.type == "input_audio_buffer.speech_started":
+                after.append(event.type)
+        assert after.count("response.output_audio.delta") <= 1, after
+        assert event.response.status == "cancelled"
+        (item,) = event.response.output
+        assert item.status == "incomplete"
+
+    def running() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return sum(float(v) for v in re.findall(
+            r"^vllm:num_requests_running(?:{[^}]*})? (\S+)$", text, re.M))
+
+    deadline = time.monotonic() + 10
+    while running() > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running() == 0
+
+
 def test_a_dead_code2wav_is_restarted_and_speaks_again(server, client, hf_answer):
     """Last in this module: its server's code2wav is killed mid-answer. That answer ends with
     an error naming the stage, /health is 503 until the stage is back (the default

@@ -27,6 +27,7 @@ from vllm_omni.entrypoints.openai.audio import AudioPieces, encode_audio
 from vllm_omni.entrypoints.openai.protocol import OmniChatCompletionRequest
 from vllm_omni.entrypoints.openai.serving_base import TextDeltas, error_status
 from vllm_omni.entrypoints.openai.serving_chat import OmniServingChat
+from vllm_omni.entrypoints.openai.vad import SpeechDetector
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class RealtimeSession:
         self.sampling: dict[str, Any] = {}
         self.items: list[dict[str, Any]] = []
         self.buffer = bytearray()
+        self.buffer_start = 0  # where the buffer starts in the session's input, in samples
+        self.detector: SpeechDetector | None = None  # server VAD, when turned on
+        self.turn_item: str | None = None  # the item of the turn being spoken
         self.response: asyncio.Task | None = None
 
     # -- events out ----------------------------------------------------------------------
@@ -131,10 +135,9 @@ class RealtimeSession:
         if "format" in inp:
             session["audio"]["input"]["format"] = _pcm(inp["format"], None,
                                                        "session.audio.input.format")
-        if inp.get("turn_detection") is not None:
-            raise RealtimeError("turn_detection is not supported yet: commit the input audio "
-                                "buffer and send response.create",
-                                param="session.audio.input.turn_detection")
+        if "turn_detection" in inp:
+            session["audio"]["input"]["turn_detection"] = _turn_detection(
+                inp["turn_detection"])
         if "format" in out:
             session["audio"]["output"]["format"] = _pcm(out["format"], self.output_rate,
                                                         "session.audio.output.format")
@@ -148,6 +151,9 @@ class RealtimeSession:
             if name in given:
                 sampling[name] = given[name]
         self.session, self.sampling = session, sampling
+        vad = session["audio"]["input"]["turn_detection"]
+        self.detector = None if vad is None else SpeechDetector(
+            self._input_rate, vad["threshold"], vad["silence_duration_ms"])
         await self.send("session.updated", session=self.session)
 
     async def buffer_append(self, event: dict) -> None:
@@ -158,23 +164,60 @@ class RealtimeSession:
         if len(data) % 2:
             raise RealtimeError("audio must be whole 16-bit samples", param="audio")
         self.buffer += data
+        if self.detector is not None:
+            for turn in self.detector.push(data):
+                await (self._speech_started if turn.started else self._speech_stopped)(turn.ms)
+
+    async def _speech_started(self, ms: int) -> None:
+        """Server VAD: a turn starts. The buffer keeps the prefix padding before it, and a
+        response that is still speaking is interrupted (barge-in)."""
+        vad = self.session["audio"]["input"]["turn_detection"]
+        start = max(0, ms - vad["prefix_padding_ms"])
+        cut = start * self._input_rate // 1000 - self.buffer_start
+        if cut > 0:
+            del self.buffer[:2 * cut]
+            self.buffer_start += cut
+        self.turn_item = _id("item")
+        await self.send("input_audio_buffer.speech_started", audio_start_ms=start,
+                        item_id=self.turn_item)
+        if vad["interrupt_response"] and self.response is not None and not self.response.done():
+            self.response.cancel()
+            await asyncio.gather(self.response, return_exceptions=True)
+
+    async def _speech_stopped(self, ms: int) -> None:
+        """Server VAD: the turn ends; it is committed, and answered where asked."""
+        vad = self.session["audio"]["input"]["turn_detection"]
+        item_id, self.turn_item = self.turn_item or _id("item"), None
+        await self.send("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=item_id)
+        end = ms * self._input_rate // 1000 - self.buffer_start
+        await self._commit(bytes(self.buffer[:2 * end]), item_id)
+        del self.buffer[:2 * end]
+        self.buffer_start += end
+        if vad["create_response"] and (self.response is None or self.response.done()):
+            self.response = asyncio.create_task(self._respond({}))
 
     async def buffer_commit(self, event: dict) -> None:
         if not self.buffer:
             raise RealtimeError("the input audio buffer is empty",
                                 "input_audio_buffer_commit_empty")
-        audio = base64.b64encode(bytes(self.buffer)).decode()
-        self.buffer.clear()
-        item = {"id": _id("item"), "type": "message", "role": "user",
+        pcm = bytes(self.buffer)
+        await self.buffer_clear(None, quiet=True)
+        await self._commit(pcm, _id("item"))
+
+    async def _commit(self, pcm: bytes, item_id: str) -> None:
+        audio = base64.b64encode(pcm).decode()
+        item = {"id": item_id, "type": "message", "role": "user",
                 "content": [{"type": "input_audio", "audio": audio, "transcript": None}]}
         previous = self.items[-1]["id"] if self.items else None
         await self.send("input_audio_buffer.committed", item_id=item["id"],
                         previous_item_id=previous)
         await self._add(item)
 
-    async def buffer_clear(self, event: dict) -> None:
+    async def buffer_clear(self, event: dict | None, quiet: bool = False) -> None:
+        self.buffer_start += len(self.buffer) // 2
         self.buffer.clear()
-        await self.send("input_audio_buffer.cleared")
+        if not quiet:
+            await self.send("input_audio_buffer.cleared")
 
     async def item_create(self, event: dict) -> None:
         item = dict(_object(event.get("item"), "item"))
@@ -352,6 +395,27 @@ def _object(value: Any, name: str) -> dict:
     if not isinstance(value, dict):
         raise RealtimeError(f"{name} must be an object", param=name)
     return value
+
+
+def _turn_detection(given: Any) -> dict | None:
+    """The protocol's server VAD settings with their defaults; None turns detection off."""
+    if given is None:
+        return None
+    given = _object(given, "session.audio.input.turn_detection")
+    if given.get("type") != "server_vad":
+        raise RealtimeError("turn_detection: only type 'server_vad' is supported",
+                            param="session.audio.input.turn_detection.type")
+    vad = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+           "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
+    for name, kind in (("threshold", (int, float)), ("prefix_padding_ms", int),
+                       ("silence_duration_ms", int), ("create_response", bool),
+                       ("interrupt_response", bool)):
+        if name in given and given[name] is not None:
+            if not isinstance(given[name], kind) or (kind is int and given[name] < 0):
+                raise RealtimeError(f"turn_detection.{name} has the wrong type",
+                                    param=f"session.audio.input.turn_detection.{name}")
+            vad[name] = given[name]
+    return vad
 
 
 def _pcm(fmt: Any, rate: int | None, param: str) -> dict:
