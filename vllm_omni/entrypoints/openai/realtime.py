@@ -498,8 +498,13 @@ class RealtimeEndpoint:
         try:
             await session.start()
             while True:
-                message = await asyncio.wait_for(ws.receive_text(), self.idle_timeout)
-                await session.handle(message)
+                message = await asyncio.wait_for(ws.receive(), self.idle_timeout)
+                if message["type"] == "websocket.disconnect":
+                    break
+                text = message.get("text")
+                if text is None:  # a binary frame: events are text, but say so in kind
+                    text = (message.get("bytes") or b"").decode("utf-8", "replace")
+                await session.handle(text)
         except TimeoutError:
             await ws.close(code=1000, reason="idle")
         except (WebSocketDisconnect, RuntimeError):  # gone, or closed while we wrote
