@@ -460,6 +460,22 @@ REALTIME_SPEECH = {"temperature": 0, "max_output_tokens": THINKER_TOKENS,
                    "audio": {"output": {"voice": "Ethan"}}}
 
 
+def assert_no_request_runs(server, seconds: float = 10) -> None:
+    """Within `seconds`, no stage's engine holds a request: what an abort everywhere leaves."""
+    import re
+    import time
+
+    def running() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return sum(float(v) for v in re.findall(
+            r"^vllm:num_requests_running(?:{[^}]*})? (\S+)$", text, re.M))
+
+    deadline = time.monotonic() + seconds
+    while running() > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running() == 0
+
+
 def realtime_client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
@@ -526,14 +542,6 @@ def test_realtime_audio_turn_answers_like_chat(server, client):
 def test_realtime_cancel_stops_every_stage_and_errors_keep_the_socket(server, client):
     """Bad events are `error` events on an open socket; response.cancel ends a long spoken
     answer as cancelled, with no request left in any stage, and the next one runs."""
-    import re
-    import time
-
-    def running() -> float:
-        text = httpx.get(server.url + "/metrics", timeout=10).text
-        return sum(float(v) for v in re.findall(
-            r"^vllm:num_requests_running(?:{[^}]*})? (\S+)$", text, re.M))
-
     with realtime_client(server).realtime.connect(model=model_name(client)) as conn:
         conn.recv()
         for raw, code in [("{not json", "invalid_json"), ('{"type": "nothing.here"}',
@@ -562,10 +570,7 @@ def test_realtime_cancel_stops_every_stage_and_errors_keep_the_socket(server, cl
         while (event := conn.recv()).type != "response.done":
             pass
         assert event.response.status == "cancelled"
-        deadline = time.monotonic() + 10
-        while running() > 0 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert running() == 0
+        assert_no_request_runs(server)
         _, text, _ = realtime_answer(conn, {"output_modalities": ["text"]})
         assert text
 
@@ -588,9 +593,6 @@ def test_realtime_server_vad_takes_turns_and_is_interrupted(server, client):
     """Server VAD: speech then silence is a turn (started, stopped, committed, answered),
     twice; speech while an answer is speaking cancels it within a chunk, the answer's item
     keeps what was sent, and no stage holds the request."""
-    import re
-    import time
-
     silence = np.zeros(24000, dtype="<i2")
     with realtime_client(server).realtime.connect(model=model_name(client)) as conn:
         conn.recv()
@@ -633,16 +635,7 @@ def test_realtime_server_vad_takes_turns_and_is_interrupted(server, client):
         assert event.response.status == "cancelled"
         (item,) = event.response.output
         assert item.status == "incomplete"
-
-    def running() -> float:
-        text = httpx.get(server.url + "/metrics", timeout=10).text
-        return sum(float(v) for v in re.findall(
-            r"^vllm:num_requests_running(?:{[^}]*})? (\S+)$", text, re.M))
-
-    deadline = time.monotonic() + 10
-    while running() > 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert running() == 0
+    assert_no_request_runs(server)
 
 
 def test_a_dead_code2wav_is_restarted_and_speaks_again(server, client, hf_answer):
