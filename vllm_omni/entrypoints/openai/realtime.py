@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
 
 from vllm_omni.entrypoints.openai.audio import AudioPieces, encode_audio
@@ -273,13 +274,16 @@ class RealtimeSession:
     def _input_rate(self) -> int:
         return int(self.session["audio"]["input"]["format"]["rate"])
 
-    async def _add(self, item: dict) -> None:
+    async def _add(self, item: dict, done: bool = True) -> None:
+        """`item` into the conversation, announced; `done`: it is whole already (an answer
+        that is still being made is announced done when it ends)."""
         previous = self.items[-1]["id"] if self.items else None
         item.setdefault("object", "realtime.item")
         item.setdefault("status", "completed")
         self.items.append(item)
-        await self.send("conversation.item.added", item=item, previous_item_id=previous)
-        await self.send("conversation.item.done", item=item, previous_item_id=previous)
+        await self.send("conversation.item.added", item=dict(item), previous_item_id=previous)
+        if done:
+            await self.send("conversation.item.done", item=item, previous_item_id=previous)
 
     def chat_request(self, overrides: dict) -> OmniChatCompletionRequest:
         """The conversation so far as the chat request a response is."""
@@ -326,7 +330,7 @@ class RealtimeSession:
                 self.chat_request(overrides), response_id)
             await self.send("response.output_item.added", response_id=response_id,
                             output_index=0, item=dict(item))
-            await self._add_running(item)
+            await self._add(item, done=False)
             await self.send("response.content_part.added", part=dict(part), **where)
             await self._stream(outputs, part, where, usage)
             response["status"] = "completed"
@@ -349,11 +353,6 @@ class RealtimeSession:
         usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
         response["usage"] = usage
         await self.send("response.done", response=response)
-
-    async def _add_running(self, item: dict) -> None:
-        previous = self.items[-1]["id"] if self.items else None
-        self.items.append(item)
-        await self.send("conversation.item.added", item=dict(item), previous_item_id=previous)
 
     async def _stream(self, outputs: AsyncIterator[OmniRequestOutput], part: dict,
                       where: dict, usage: dict) -> None:
@@ -449,8 +448,6 @@ def _chat_part(part: Any, input_rate: int) -> dict:
         if not pcm or len(pcm) % 2:
             raise RealtimeError("input_audio.audio must be whole 16-bit samples",
                                 param="item.content")
-        import numpy as np
-
         samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768
         wav = encode_audio(samples, input_rate, "wav")
         return {"type": "input_audio",
