@@ -558,7 +558,7 @@ def test_realtime_cancel_stops_every_stage_and_errors_keep_the_socket(server, cl
         event = conn.recv()
         assert event.type == "error" and "unknown voice" in event.error.message
         conn.session.update(session={"stage_sampling_params": {
-            "talker": {"max_tokens": 600, "stop_token_ids": []}}})
+            "talker": {"max_tokens": 600, "stop_token_ids": [], "ignore_eos": True}}})
         conn.recv()
         conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
             {"type": "input_text", "text": "Tell me everything."}]})
@@ -618,7 +618,7 @@ def test_realtime_server_vad_takes_turns_and_is_interrupted(server, client):
         assert starts[0] == 0 and abs(starts[1] - (1800 - 300)) <= 60, starts
 
         conn.session.update(session={"output_modalities": ["audio"], "stage_sampling_params": {
-            "talker": {"max_tokens": 600, "stop_token_ids": []}}})
+            "talker": {"max_tokens": 600, "stop_token_ids": [], "ignore_eos": True}}})
         conn.recv()
         append_pcm(conn, np.concatenate([voiced(0.8), silence]))
         while (event := conn.recv()).type != "response.output_audio.delta":
@@ -652,7 +652,8 @@ def test_a_dead_code2wav_is_restarted_and_speaks_again(server, client, hf_answer
                if p.name() == "vllm-omni::Code2WavCore"]
     body = {"model": model_name(client), "messages": MESSAGES, "stream": True,
             "modalities": ["text", "audio"], "audio": {"format": "pcm16"},
-            "stage_sampling_params": {"talker": {"max_tokens": 600, "stop_token_ids": []}}}
+            "stage_sampling_params": {"talker": {"max_tokens": 600, "stop_token_ids": [],
+                                                 "ignore_eos": True}}}
     events = []
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
                       timeout=120) as r:
