@@ -24,6 +24,8 @@ ROUTES = [
     ("POST", "/v1/audio/speech"),
     ("POST", "/v1/audio/transcriptions"),
     ("POST", "/v1/videos"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
     ("GET", "/v1/videos"),
     ("GET", "/v1/videos/{video_id}"),
     ("DELETE", "/v1/videos/{video_id}"),

@@ -6,6 +6,8 @@ import base64
 import concurrent.futures
 import functools
 import io
+import re
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,6 +17,7 @@ import torch
 from conftest import ServerProcess, wait_for
 from PIL import Image
 
+from vllm_omni.testing.tiny_lora import make_lora
 from vllm_omni.testing.tiny_models import make_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -29,10 +32,27 @@ def served(name: str, tmp_path_factory, *flags: str):
 
 
 @pytest.fixture(scope="module")
-def flux_server(tmp_path_factory):
+def flux_loras(tmp_path_factory) -> dict[str, str]:
+    """Two adapters for flux-tiny, of different ranks on different layers, and a third
+    loaded at run time."""
+    folder = make_tiny("flux-tiny", tmp_path_factory.mktemp("img") / "flux-tiny")
+    out = tmp_path_factory.mktemp("lora")
+    return {
+        "folder": folder,
+        "ink": str(make_lora(folder, out / "ink", seed=1)),
+        "clay": str(make_lora(folder, out / "clay", seed=2, rank=2,
+                              targets=("to_q", "to_v", "proj_mlp", "ff.net.2"))),
+        "glass": str(make_lora(folder, out / "glass", seed=3, rank=8, alpha=4)),
+    }
+
+
+@pytest.fixture(scope="module")
+def flux_server(tmp_path_factory, flux_loras):
     # Step caching on, at threshold 0: every step still computed, images as diffusers'.
-    flags = ("--cache-backend", "block", "--cache-config", '{"threshold": 0}')
-    folder, srv = served("flux-tiny", tmp_path_factory, *flags)
+    folder = flux_loras["folder"]
+    flags = ["--cache-backend", "block", "--cache-config", '{"threshold": 0}',
+             "--lora-modules", f"ink={flux_loras['ink']}", f"clay={flux_loras['clay']}"]
+    srv = ServerProcess([str(folder), *flags], tmp_path_factory.mktemp("log") / "flux.log")
     yield folder, srv
     assert srv.stop(), "processes of the server were still alive after SIGTERM"
 
@@ -213,6 +233,102 @@ def test_images_edit(tmp_path_factory):
         assert junk.status_code == 400 and "readable" in junk.json()["error"]["message"]
     finally:
         assert srv.stop()
+
+
+def lora_reference(folder, path: str, scale: float, prompt: str, seed: int,
+                   **kw) -> Image.Image:
+    """diffusers' pipeline with the adapter loaded at `scale` (a fresh pipeline: loading
+    one changes it)."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(path, adapter_name="it")
+    pipe.set_adapters(["it"], adapter_weights=[scale])
+    return pipe(prompt, generator=torch.Generator().manual_seed(seed), **kw).images[0]
+
+
+def psnr(a: Image.Image, b: Image.Image) -> float:
+    x, y = np.asarray(a, dtype=np.float64) / 255, np.asarray(b, dtype=np.float64) / 255
+    return float(10 * np.log10(1 / max(((x - y) ** 2).mean(), 1e-12)))
+
+
+def test_requests_with_different_adapters_share_a_batch_and_equal_diffusers(
+        flux_server, flux_loras):
+    """Two adapters (one at a scale) and the base model, at once: each image is diffusers'
+    with that adapter loaded at that scale, and an adapter does change the image."""
+    import asyncio
+
+    folder, srv = flux_server
+    base = openai.OpenAI(base_url=srv.url + "/v1", api_key="none").models.list().data[0].id
+    steps = {"num_inference_steps": 8}
+    asks = [("ink", 0.8, "a red cat", 3), ("clay", None, "a blue dog", 4),
+            (base, None, "a green cow", 5), ("ink", None, "a red cat", 3)]
+
+    async def all_at_once():
+        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none")
+        return await asyncio.gather(*[client.images.generate(
+            model=model, prompt=prompt, size="64x64", extra_body={
+                **steps, "seed": seed, **({"lora_scale": scale} if scale else {})})
+            for model, scale, prompt, seed in asks])
+
+    results = asyncio.run(all_at_once())
+    got = [decode(r.data[0].b64_json) for r in results]
+    for (model, scale, prompt, seed), image in zip(asks, got, strict=True):
+        if model == base:
+            want = reference_pil(folder, prompt, seed, width=64, height=64, **steps)[0]
+        else:
+            want = lora_reference(folder, flux_loras[model], 1.0 if scale is None else scale,
+                                  prompt, seed, width=64, height=64, **steps)
+        assert psnr(image, want) >= 50, (model, scale)
+    plain = reference_pil(folder, "a red cat", 3, width=64, height=64, **steps)[0]
+    assert psnr(got[3], plain) < 40 and psnr(got[0], got[3]) < 50
+
+
+def test_adapters_are_models_loaded_and_unloaded_at_run_time(flux_server, flux_loras):
+    folder, srv = flux_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    base = client.models.list().data[0].id
+    listed = {m.id: m for m in client.models.list().data}
+    assert set(listed) == {base, "ink", "clay"}
+    assert listed["ink"].parent == base and listed["ink"].root == flux_loras["ink"]
+
+    def post(route: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{srv.url}/v1/{route}", json=body, timeout=60)
+
+    r = post("load_lora_adapter", {"lora_name": "glass", "lora_path": flux_loras["glass"]})
+    assert r.status_code == 200, r.text
+    assert "glass" in {m.id for m in client.models.list().data}
+    made = client.images.generate(model="glass", prompt="a cup", size="64x64",
+                                  extra_body={**STEPS, "seed": 7})
+    want = lora_reference(folder, flux_loras["glass"], 1.0, "a cup", 7, width=64, height=64,
+                          **STEPS)
+    assert psnr(decode(made.data[0].b64_json), want) >= 50
+    assert post("unload_lora_adapter", {"lora_name": "glass"}).status_code == 200
+    with pytest.raises(openai.NotFoundError, match="glass"):
+        client.images.generate(model="glass", prompt="a cup", size="64x64", extra_body=STEPS)
+
+    other = make_tiny("flux-small", Path(flux_loras["glass"]).parent.parent / "flux-small")
+    wrong = make_lora(other, Path(flux_loras["glass"]).parent / "wrong", seed=4)
+    for body, status, words in [
+        ({"lora_name": "ink", "lora_path": flux_loras["clay"]}, 400, "already served"),
+        ({"lora_name": "x", "lora_path": "/nowhere"}, 400, "no LoRA adapter at"),
+        # Another shape of the same family: named by the first module it does not fit.
+        ({"lora_name": "x", "lora_path": str(wrong)}, 400,
+         r"targets '[\w.]+', which this model does not have|does not fit '[\w.]+'"),
+        ({"lora_name": "x"}, 400, "lora_path"),
+    ]:
+        r = post("load_lora_adapter", body)
+        assert r.status_code == status, r.text
+        assert re.search(words, r.json()["error"]["message"]), r.text
+    r = post("unload_lora_adapter", {"lora_name": "glass"})
+    assert r.status_code == 404 and "glass" in r.json()["error"]["message"], r.text
+    with pytest.raises(openai.BadRequestError, match="lora_scale"):
+        client.images.generate(prompt="x", size="64x64", extra_body={"lora_scale": 0.5})
+    with pytest.raises(openai.BadRequestError, match="lora_scale"):
+        client.images.generate(model="ink", prompt="x", size="64x64",
+                               extra_body={"lora_scale": 99})
+    assert {m.id for m in client.models.list().data} == {base, "ink", "clay"}
 
 
 def test_killed_engine_core_fails_requests_and_health(flux_server):

@@ -131,6 +131,22 @@ class RayStage:
         except RayError as e:
             raise self._died(e) from None
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        await self._refusable(self.actor.load_adapter.remote(name, path))
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._refusable(self.actor.unload_adapter.remote(name))
+
+    async def _refusable(self, call: Any) -> Any:
+        """A call the stage may refuse: its ValueError stays one (Ray's task error is an
+        instance of its cause), anything else from Ray is the actor gone."""
+        try:
+            return await call
+        except RayError as e:
+            if isinstance(e, ValueError):
+                raise ValueError(str(getattr(e, "cause", e))) from None
+            raise self._died(e) from None
+
     async def check_health(self) -> None:
         if self.errored:
             raise EngineDeadError(f"stage {self.name!r} on Ray node {self.node[:12]}: "

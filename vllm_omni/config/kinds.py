@@ -23,6 +23,7 @@ class Capability(StrEnum):
     SUBFOLDER = "subfolder"  # a model in a subfolder of the pipeline's model folder
     KV_CACHE = "kv_cache"  # holds a KV cache the memory plan sizes
     TEXT_ANSWER = "text_answer"  # its text can answer a request (takes OpenAI's fields)
+    ADAPTERS = "adapters"  # serves LoRA adapters per request: load_adapter / unload_adapter
 
 _KINDS: dict[str, str] = {
     "ar": "vllm_omni.engine.ar.stage:ARStage",

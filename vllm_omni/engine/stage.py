@@ -31,6 +31,9 @@ class StartContext:
     # Degrees for every diffusion stage (ulysses_degree, ring_degree, cfg_parallel_size),
     # over the stages' own engine_args (the CLI's --ulysses-degree...).
     diffusion_parallel: dict[str, int] | None = None
+    # LoRA adapters (name -> file) the stages with the `adapters` capability serve; kept
+    # current as adapters are loaded at run time, so a restarted stage serves them too.
+    lora_modules: dict[str, str] = field(default_factory=dict)
     # Where stages start: None, in this process through their kind; a Ray cluster's
     # launcher (cluster/stage.py) starts each as an actor and returns its proxy.
     launcher: Callable[[StageConfig, StartContext], Stage] | None = None

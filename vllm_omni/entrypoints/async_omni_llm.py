@@ -50,6 +50,8 @@ class AsyncOmniLLM:
         ray_address: run every stage as an actor on the Ray cluster at this address
             ('auto': the one on this machine; cluster/, docs/design/ray.md); None: every
             stage in this host's processes, and Ray is not imported.
+        lora_modules: LoRA adapters (name -> diffusers / PEFT LoRA file) every stage that
+            serves adapters (the diffusion stages) loads at start; requests pick one by name.
         ray_placement_timeout: seconds a stage's placement on the Ray cluster may take
             before start-up fails naming the stage and what the cluster lacks.
         **engine_kwargs: vLLM engine args applied to every AR stage (dtype, max_model_len...);
@@ -69,6 +71,7 @@ class AsyncOmniLLM:
         diffusion_parallel: dict[str, int] | None = None,
         ray_address: str | None = None,
         ray_placement_timeout: float = 60.0,
+        lora_modules: dict[str, str] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         self.model = model
@@ -77,7 +80,13 @@ class AsyncOmniLLM:
         # run them, so a second thread could build its config before our models register.
         load_general_plugins()
         context = StartContext(model, engine_kwargs, usage_context, cache_config,
-                               diffusion_parallel=diffusion_parallel)
+                               diffusion_parallel=diffusion_parallel,
+                               lora_modules=dict(lora_modules or {}))
+        self.adapters: dict[str, str] = context.lora_modules  # what restarted stages load
+        if self.adapters and not self._adapter_stage_names():
+            raise ValueError(f"LoRA adapters {sorted(self.adapters)} given, but no stage of "
+                             f"pipeline {self.pipeline.name!r} serves adapters (diffusion "
+                             "stages do)")
         self.launcher = None
         if ray_address is not None:
             from vllm_omni.cluster.stage import RayLauncher
@@ -140,6 +149,40 @@ class AsyncOmniLLM:
             if s.final_output and s.output == output:
                 return self.stages[s.name]
         return None
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    def _adapter_stage_names(self) -> list[str]:
+        return [s.name for s in self.pipeline.stages
+                if Capability.ADAPTERS in stage_kind(s.engine).capabilities]
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at `path` as `name` on every stage that serves adapters
+        (all or none: one that refuses it unloads it from the others). ValueError: it does
+        not fit, or the name is taken."""
+        if name in self.adapters:
+            raise ValueError(f"an adapter named {name!r} is already loaded")
+        if not self._adapter_stage_names():
+            raise ValueError(f"no stage of pipeline {self.pipeline.name!r} serves LoRA "
+                             "adapters (diffusion stages do)")
+        done = []
+        try:
+            for stage_name in self._adapter_stage_names():
+                await self.stages[stage_name].load_adapter(name, path)
+                done.append(stage_name)
+        except BaseException:
+            for stage_name in done:
+                with contextlib.suppress(Exception):
+                    await self.stages[stage_name].unload_adapter(name)
+            raise
+        self.adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise ValueError(f"no adapter named {name!r} is loaded")
+        for stage_name in self._adapter_stage_names():
+            await self.stages[stage_name].unload_adapter(name)
+        del self.adapters[name]
 
     # -- requests ------------------------------------------------------------------------------
 

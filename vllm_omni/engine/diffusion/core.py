@@ -83,6 +83,9 @@ class EngineOptions:
     # Pipeline components not loaded (diffusers' `from_pretrained(name=None)`): the text
     # encoder of a pipeline whose prompts an upstream stage encodes.
     skip_components: list[str] = field(default_factory=list)
+    # LoRA adapters served from the start, name -> diffusers / PEFT LoRA file or folder
+    # (requests choose one by name; more are loaded at run time).
+    lora_modules: dict[str, str] = field(default_factory=dict)
     defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -197,6 +200,11 @@ class DiffusionCore(CoreBase):
         else:
             pipe.to(options.device)
         self.adapter = adapter_for(pipe, options.device, ranks)
+        for name, path in options.lora_modules.items():
+            try:
+                self.adapter.load_lora(name, path)
+            except ValueError as e:
+                raise ValueError(f"LoRA adapter {name!r}: {e}") from None
         self.parallel = ranks is not None
         self.defaults = options.defaults
         area = self.adapter.default_area()
@@ -212,10 +220,27 @@ class DiffusionCore(CoreBase):
         self.connector = SharedMemoryConnector(prefix="omni-dit", pool_bytes=options.pool_mb << 20)
         self.progress_interval = options.progress_interval
         self._last_progress: dict[str, float] = {}
+        self._lora_of: dict[str, str] = {}  # request id -> its adapter, while it is here
 
     def info(self) -> dict[str, Any]:
         return {**self.adapter.info(), "max_image_pixels": self.max_image_pixels,
-                "max_running": self.scheduler.max_running}
+                "max_running": self.scheduler.max_running,
+                "loras": self.adapter.lora_names()}
+
+    def control(self, method: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Adapters loaded and unloaded between steps: a request admitted after the call
+        may use (or no longer use) the adapter."""
+        if method == "load_lora":
+            self.adapter.load_lora(args["name"], args["path"])
+        elif method == "unload_lora":
+            using = [r for r, name in self._lora_of.items() if name == args["name"]]
+            if using:
+                raise ValueError(f"adapter {args['name']!r} is in use by {len(using)} "
+                                 "running requests")
+            self.adapter.unload_lora(args["name"])
+        else:
+            return super().control(method, args)
+        return {"loras": self.adapter.lora_names()}
 
     # -- requests ------------------------------------------------------------------------
 
@@ -231,6 +256,7 @@ class DiffusionCore(CoreBase):
             given = DiffusionParams.parse(msg.params).merged(self.defaults).merged(
                 self.adapter.input_defaults(msg.images))
             resolved = self.adapter.resolve(given)
+            self.adapter.check_lora(resolved)
             self.adapter.check_conditioning(conditioning, resolved)
             if (self.max_image_pixels and resolved.height and resolved.width
                     and resolved.height * resolved.width > self.max_image_pixels):
@@ -245,6 +271,8 @@ class DiffusionCore(CoreBase):
         except Exception as e:  # a bug fails its request, not the engine
             self.fail([msg.request_id], e, "internal")
             return
+        if resolved.lora is not None:
+            self._lora_of[msg.request_id] = resolved.lora
         self.scheduler.add(DiffusionRequest(msg.request_id, prompt, resolved,
                                             input_images=msg.images, given=conditioning))
 
@@ -252,6 +280,7 @@ class DiffusionCore(CoreBase):
         self.scheduler.abort(request_id)
         self.adapter.release(request_id)
         self._last_progress.pop(request_id, None)
+        self._lora_of.pop(request_id, None)
 
     # -- the loop --------------------------------------------------------------------------
 

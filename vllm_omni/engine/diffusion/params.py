@@ -42,6 +42,9 @@ class DiffusionParams(BaseModel):
     # Lower is served first where the stage's scheduling_policy is "priority" (vLLM's
     # convention); ignored under "fcfs".
     priority: int = 0
+    # A LoRA adapter the stage has loaded (by name), and the weight of its delta.
+    lora: str | None = None
+    lora_scale: float = Field(default=1.0, ge=-16.0, le=16.0)
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> DiffusionParams:

@@ -14,6 +14,7 @@ import prometheus_client
 import torch
 from PIL import Image
 
+from vllm_omni.config.kinds import Capability
 from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.diffusion.client import AsyncDiffusionEngine
 from vllm_omni.engine.diffusion.core import EngineOptions
@@ -38,7 +39,7 @@ _SHARED_ARGS = {"dtype"}
 
 def engine_options(
     stage: StageConfig, engine_kwargs: dict[str, Any], cache_config: dict[str, Any] | None = None,
-    parallel: dict[str, int] | None = None,
+    parallel: dict[str, int] | None = None, lora_modules: dict[str, str] | None = None,
 ) -> EngineOptions:
     """Options from the stage's YAML `engine_args`, then the caller's shared args (dtype)
     and parallel degrees; `cache_config` (the server's step caching) over the stage's
@@ -58,6 +59,8 @@ def engine_options(
     if cache_config:
         defaults["cache"] = {**(defaults.get("cache") or {}), **cache_config}
     options["defaults"] = defaults
+    if lora_modules:
+        options["lora_modules"] = {**options.get("lora_modules", {}), **lora_modules}
     return EngineOptions(**options)
 
 
@@ -80,6 +83,7 @@ class DiffusionStage(EngineStage):
     """A stage run by our diffusion engine: a diffusers pipeline, batched step by step."""
 
     outputs: ClassVar[frozenset[str]] = frozenset({"image", "video", "latent"})
+    capabilities: ClassVar[frozenset[str]] = frozenset({Capability.ADAPTERS})
 
     # -- the kind ------------------------------------------------------------------------
 
@@ -117,7 +121,7 @@ class DiffusionStage(EngineStage):
         )
 
         options = engine_options(config, context.engine_kwargs, context.cache_config,
-                                 context.diffusion_parallel)
+                                 context.diffusion_parallel, context.lora_modules)
         model = config.model or context.model
         world = Layout.of(options).world
         cores = sorted(options.cores or os.sched_getaffinity(0))
@@ -169,7 +173,7 @@ class DiffusionStage(EngineStage):
         self.config = config
         self.name = config.name
         options = engine_options(config, context.engine_kwargs, context.cache_config,
-                                 context.diffusion_parallel)
+                                 context.diffusion_parallel, context.lora_modules)
         self.engine = AsyncDiffusionEngine(config.model or context.model, options)
         facts = self.engine.info
         logger.info("stage %r serves %s", self.name, facts)
@@ -181,6 +185,14 @@ class DiffusionStage(EngineStage):
             step_level=bool(facts.get("step_level")), max_running=facts.get("max_running"),
             limits={k: facts.get(k) for k in ("size_multiple", "frame_step",
                                               "max_image_pixels")})
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at `path` (on the stage's host) as `name`; ValueError when
+        it does not fit the model."""
+        await self.engine.control("load_lora", name=name, path=path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.engine.control("unload_lora", name=name)
 
     @classmethod
     def request_params(cls, info: StageInfo,

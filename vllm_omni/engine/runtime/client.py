@@ -21,6 +21,7 @@ from vllm_omni.engine.runtime.core import CoreBase, serve
 from vllm_omni.engine.runtime.messages import (
     AbortRequest,
     AddRequest,
+    Control,
     CoreOutput,
     ExtendRequest,
     Ping,
@@ -137,6 +138,22 @@ class EngineClient:
     async def abort(self, request_id: str) -> None:
         if not self._dead:
             self._send(AbortRequest(request_id))
+
+    async def control(self, method: str, **args: Any) -> dict[str, Any]:
+        """Call `method` on the core (between its steps); ValueError for a refused call."""
+        call_id = f"control-{next(self._pings)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._requests[call_id] = (asyncio.get_running_loop(), queue)
+        try:
+            self._send(Control(call_id, method, args))
+            out = await queue.get()
+        finally:
+            self._requests.pop(call_id, None)
+        if out is None:
+            raise EngineDeadError(self._dead)
+        if out.error is not None:
+            raise (ValueError if out.error_kind == "invalid" else RuntimeError)(out.error)
+        return out.result
 
     async def ping(self) -> None:
         """Returns once the core's loop has answered (after the step it is in)."""

@@ -20,6 +20,8 @@ from typing import Any
 from vllm_omni.engine.runtime.messages import (
     AbortRequest,
     AddRequest,
+    Control,
+    ControlOutput,
     CoreOutput,
     ErrorKind,
     ExtendRequest,
@@ -54,6 +56,10 @@ class CoreBase:
     def extend(self, msg: ExtendRequest) -> None:
         raise ValueError(f"{type(self).__name__} takes no streamed input")
 
+    def control(self, method: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A call on the core (ValueError: the caller's mistake)."""
+        raise ValueError(f"{type(self).__name__} has no call {method!r}")
+
     def drop(self, request_id: str) -> None:
         """Forget a request (aborted, or failed)."""
         raise NotImplementedError
@@ -74,12 +80,27 @@ class CoreBase:
             self.extend(msg)
         elif isinstance(msg, AbortRequest):
             self.drop(msg.request_id)
+        elif isinstance(msg, Control):
+            self._control(msg)
         elif isinstance(msg, Ping):
             self.send(CoreOutput(msg.request_id, finished=True))
         elif isinstance(msg, Shutdown):
             self.running = False
         else:
             logger.error("%s ignores a message it does not know: %r", type(self).__name__, msg)
+
+    def _control(self, msg: Control) -> None:
+        try:
+            result = self.control(msg.method, msg.args)
+        except ValueError as e:
+            self.send(ControlOutput(msg.request_id, finished=True, error=str(e),
+                                    error_kind="invalid"))
+        except Exception as e:
+            logger.error("%s failed:\n%s", msg.method, "".join(traceback.format_exception(e)))
+            self.send(ControlOutput(msg.request_id, finished=True, error=repr(e),
+                                    error_kind="internal"))
+        else:
+            self.send(ControlOutput(msg.request_id, finished=True, result=result))
 
     def send(self, out: CoreOutput) -> None:
         self.conn.send(out)

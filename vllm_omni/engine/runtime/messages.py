@@ -42,6 +42,16 @@ class Ping:
 
 
 @dataclass
+class Control:
+    """A call on the core itself, not on a request (`method` with `args`), answered between
+    steps with a ControlOutput for `request_id`."""
+
+    request_id: str
+    method: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Ready:
     """The core is built; `info` describes what it serves."""
 
@@ -69,3 +79,10 @@ class CoreOutput:
     # A shared-memory handle the core left for the request's consumer; the client frees it
     # when nobody waits for the request any more.
     handle: Any = None
+
+
+@dataclass
+class ControlOutput(CoreOutput):
+    """A Control call's answer (or its error, as a request's)."""
+
+    result: dict[str, Any] = field(default_factory=dict)

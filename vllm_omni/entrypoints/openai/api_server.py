@@ -37,9 +37,11 @@ from vllm_omni.entrypoints.openai.openapi import (
 )
 from vllm_omni.entrypoints.openai.protocol import (
     ImageGenerationRequest,
+    LoadLoraAdapterRequest,
     OmniChatCompletionRequest,
     OmniCompletionRequest,
     SpeechRequest,
+    UnloadLoraAdapterRequest,
     VideoCreateRequest,
     error_response,
 )
@@ -48,6 +50,7 @@ from vllm_omni.entrypoints.openai.serving_base import EntryRenderer
 from vllm_omni.entrypoints.openai.serving_chat import OmniServingChat
 from vllm_omni.entrypoints.openai.serving_completion import OmniServingCompletion
 from vllm_omni.entrypoints.openai.serving_images import OmniServingImages
+from vllm_omni.entrypoints.openai.serving_lora import OmniServingLora
 from vllm_omni.entrypoints.openai.serving_speech import OmniServingSpeech
 from vllm_omni.entrypoints.openai.serving_transcription import OmniServingTranscription
 from vllm_omni.entrypoints.openai.serving_videos import OmniServingVideos
@@ -133,6 +136,7 @@ def api_routes(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespac
     def query(r: Request, name: str) -> str | None:
         return r.query_params.get(name)
 
+    lora = OmniServingLora(omni, served_model_names)
     realtime = RealtimeEndpoint(chat, [k for k in (args.api_key or []) if k])
     return [
         Route("POST", "/v1/chat/completions", "chat", chat.chat,
@@ -147,6 +151,10 @@ def api_routes(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespac
               FORM, "trsc"),
         Route("POST", "/v1/videos", "videos", videos.create, VideoCreateRequest, "video",
               forms=True),
+        Route("POST", "/v1/load_lora_adapter", "load_lora", lora.load, LoadLoraAdapterRequest,
+              "lora"),
+        Route("POST", "/v1/unload_lora_adapter", "unload_lora", lora.unload,
+              UnloadLoraAdapterRequest, "lora"),
         Route("GET", "/v1/videos", "videos_list", lambda r: videos.list(
             query(r, "after"), query(r, "limit"), query(r, "order")),
             openapi_extra=VIDEO_LIST_PARAMS),
@@ -188,6 +196,9 @@ def add_service_routes(app: FastAPI, omni: AsyncOmniLLM, served_model_names: lis
             }
             for name in served_model_names
         ]
+        data += [{"id": name, "object": "model", "created": int(time.time()),
+                  "owned_by": "vllm-omni", "root": path, "parent": served_model_names[0]}
+                 for name, path in omni.adapters.items()]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/v1/omni/info")
@@ -248,6 +259,7 @@ async def serve_http(args: Namespace, engine_kwargs: dict[str, Any]) -> None:
         stage_restarts=args.stage_restarts,
         stage_hang_timeout=args.stage_hang_timeout or None,
         diffusion_parallel=getattr(args, "diffusion_parallel", None),
+        lora_modules={m.name: m.path for m in getattr(args, "lora_modules", None) or []},
         ray_address=getattr(args, "ray_address", None),
         ray_placement_timeout=getattr(args, "ray_placement_timeout", 60.0),
         **engine_kwargs,

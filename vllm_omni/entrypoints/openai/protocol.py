@@ -44,6 +44,9 @@ class OmniChatCompletionRequest(ChatCompletionRequest):
         description='Outputs to compute, as in OpenAI\'s API (e.g. ["text"]); stages that '
         "only serve other outputs are skipped. Default: every final output of the pipeline.",
     )
+    lora_scale: float | None = Field(
+        default=None, description="The weight of the LoRA adapter `model` names (a "
+        "diffusion pipeline's adapters are models).")
 
     @model_validator(mode="after")
     def _chat_messages_only(self) -> OmniChatCompletionRequest:
@@ -88,6 +91,8 @@ class ImageGenerationRequest(BaseModel):
     cache: dict[str, Any] | None = None
     # As vLLM's: lower is served first, where the stage's scheduling_policy is "priority".
     priority: int | None = None
+    # The weight of the LoRA adapter the request's `model` names.
+    lora_scale: float | None = None
     # Per-stage overrides by stage name (the LLM before a DiT, say), over the fields above.
     stage_sampling_params: dict[str, dict[str, Any]] | None = None
 
@@ -118,6 +123,24 @@ class ImageGenerationRequest(BaseModel):
             params.update(width=int(w), height=int(h))
         params["num_images"] = self.n
         return params
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's body for POST /v1/unload_lora_adapter (its `lora_int_id` is taken, unused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
 
 
 def parse_size(value: str) -> tuple[int, int]:
@@ -151,6 +174,7 @@ class VideoCreateRequest(BaseModel):
     # Step caching for this request (CacheConfig's fields; over the server's --cache-config).
     cache: dict[str, Any] | None = None
     priority: int | None = None  # as the images API's
+    lora_scale: float | None = None  # the weight of the LoRA adapter `model` names
     # Per-stage overrides by stage name (the LLM before a DiT, say), over the fields above.
     stage_sampling_params: dict[str, dict[str, Any]] | None = None
 

@@ -106,11 +106,24 @@ class OmniServing:
             self._hearing_rate = getattr(extractor, "sampling_rate", None)
         return self._hearing_rate
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise OmniHTTPError(
-                HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", "model"
-            )
+    def check_model(self, model: str | None, adapters: bool = False) -> None:
+        """A 404 for a model this server does not serve; with `adapters`, the LoRA
+        adapters' names are models too (the endpoints that draw)."""
+        if model is None or model in self.served_model_names:
+            return
+        if adapters and model in self.omni.adapters:
+            return
+        raise OmniHTTPError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.",
+                            "model")
+
+    def adapter_params(self, model: str | None, scale: float | None) -> dict[str, Any]:
+        """The diffusion parameters that select the request's adapter (its `model`)."""
+        if model is not None and model in self.omni.adapters:
+            return {"lora": model, **({"lora_scale": scale} if scale is not None else {})}
+        if scale is not None:
+            raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "lora_scale: the request's model is "
+                                "not a LoRA adapter (GET /v1/models lists them)", "lora_scale")
+        return {}
 
     # -- per-stage parameters ------------------------------------------------------------
 

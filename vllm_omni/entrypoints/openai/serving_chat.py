@@ -80,7 +80,8 @@ class OmniServingChat(OmniServing):
         self, request: OmniChatCompletionRequest, request_id: str
     ) -> dict | AsyncIterator[str]:
         """A chat completion body, or an async iterator of SSE lines when streaming."""
-        self.check_model(request.model)
+        # On a diffusion pipeline the adapters are models too.
+        self.check_model(request.model, adapters=self.renderer is None)
         reject_unsupported(request)
         if self.renderer is None:
             return await self._chat_image(request, request_id)
@@ -174,10 +175,10 @@ class OmniServingChat(OmniServing):
         parameters (size, steps, seed, ...)."""
         prompt = chat_image_prompt(request.messages)
         # Made whole before answering: an error is an HTTP error, also for a stream.
-        out = await self.images.generate_images(
-            prompt, {"num_images": request.n or 1, "priority": request.priority}, request_id,
-            request.stage_sampling_params
-        )
+        params = {"num_images": request.n or 1, "priority": request.priority,
+                  **self.adapter_params(request.model, request.lora_scale)}
+        out = await self.images.generate_images(prompt, params, request_id,
+                                                request.stage_sampling_params)
         if request.stream:
             return self._image_stream(request, request_id, out.images)
         return self._image_answer(request, request_id, out.images, usage_info(0, 0),

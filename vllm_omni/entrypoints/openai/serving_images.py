@@ -65,9 +65,13 @@ class OmniServingImages(OmniServing):
             "stage_seconds": dict(out.metrics.get("stage_seconds") or {}),
         }
 
+    def _params(self, request: ImageGenerationRequest) -> dict[str, Any]:
+        return {**request.diffusion_params(),
+                **self.adapter_params(request.model, request.lora_scale)}
+
     async def generations(self, request: ImageGenerationRequest, request_id: str) -> dict:
-        self.check_model(request.model)
-        out = await self.generate_images(request.prompt, request.diffusion_params(), request_id,
+        self.check_model(request.model, adapters=True)
+        out = await self.generate_images(request.prompt, self._params(request), request_id,
                                          request.stage_sampling_params)
         return self._response(request, out)
 
@@ -81,9 +85,9 @@ class OmniServingImages(OmniServing):
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, "mask: masked edits are not supported",
                                 "mask")
         request = parse_model(ImageGenerationRequest, {k: v[-1] for k, v in form.items()})
-        self.check_model(request.model)
+        self.check_model(request.model, adapters=True)
         images = [decode_image(data, "image") for data in uploads]
         prompt = {"prompt": request.prompt, "multi_modal_data": {"image": images}}
-        out = await self.generate_images(prompt, request.diffusion_params(), request_id,
+        out = await self.generate_images(prompt, self._params(request), request_id,
                                          request.stage_sampling_params)
         return self._response(request, out)

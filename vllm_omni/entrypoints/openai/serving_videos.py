@@ -45,7 +45,7 @@ class OmniServingVideos(OmniServing):
     # -- create --------------------------------------------------------------------------
 
     async def create(self, request: VideoCreateRequest, request_id: str) -> dict[str, Any]:
-        self.check_model(request.model)
+        self.check_model(request.model, adapters=True)
         stage = self.stage()
         info = stage.info
         prompt: Any = request.prompt
@@ -55,7 +55,8 @@ class OmniServingVideos(OmniServing):
                                     "videos from text only", "input_reference")
             image = decode_image(reference_bytes(request.input_reference), "input_reference")
             prompt = {"prompt": request.prompt, "multi_modal_data": {"image": [image]}}
-        params = self.diffusion_params(request, info)
+        params = {**self.diffusion_params(request, info),
+                  **self.adapter_params(request.model, request.lora_scale)}
         job = VideoJob(id=self.jobs.new_id(), model=request.model or self.model_name,
                        prompt=request.prompt, size=f"{params['width']}x{params['height']}",
                        num_frames=params["num_frames"], fps=params["fps"],

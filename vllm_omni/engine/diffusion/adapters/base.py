@@ -59,6 +59,22 @@ class DiffusionAdapter:
     def check_cache(self, config: CacheConfig) -> None:
         raise NotImplementedError
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at `path` as `name` (ValueError: it does not fit)."""
+        raise ValueError(f"{self.name} runs as whole requests here: it serves no LoRA "
+                         "adapters")
+
+    def unload_lora(self, name: str) -> None:
+        raise ValueError(f"no adapter named {name!r} is loaded")
+
+    def lora_names(self) -> list[str]:
+        return []
+
+    def check_lora(self, params: DiffusionParams) -> None:
+        """The request's adapter is loaded (ValueError naming the ones that are)."""
+        if params.lora is not None:
+            raise ValueError(f"no LoRA adapter named {params.lora!r} is loaded")
+
     def check_inputs(self, images: list) -> None:
         if images and not self.takes_images:
             raise ValueError(f"{self.name} takes no input image")

@@ -16,6 +16,7 @@ noise, timestep shift, VAE scaling) is the pipeline's own methods, so an image e
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from typing import Any
@@ -26,7 +27,8 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 
 from vllm_omni.engine.diffusion.adapters.base import DiffusionAdapter
 from vllm_omni.engine.diffusion.cache import CacheConfig, CacheSlot
-from vllm_omni.engine.diffusion.executor import TransformerExecutor
+from vllm_omni.engine.diffusion.executor import LocalTransformer, TransformerExecutor
+from vllm_omni.engine.diffusion.lora import LoraSet
 from vllm_omni.engine.diffusion.parallel.rank import TransformerSpec
 from vllm_omni.engine.diffusion.params import DiffusionParams
 from vllm_omni.engine.diffusion.request import DiffusionRequest
@@ -52,6 +54,9 @@ class StepAdapter(DiffusionAdapter):
                  executor: TransformerExecutor) -> None:
         super().__init__(pipe)
         self.executor = executor
+        # Adapters hook this process's transformer, so a stage split between ranks has none.
+        self.loras = (LoraSet(pipe, pipe.transformer)
+                      if isinstance(executor, LocalTransformer) else None)
         # Where the models run, from the engine: diffusers says it only through a private
         # property, and the public `pipe.device` is the weights' resting place, the CPU, when
         # they are offloaded.
@@ -169,6 +174,26 @@ class StepAdapter(DiffusionAdapter):
     def check_cache(self, config: CacheConfig) -> None:
         self.executor.cache.check(config, self.name)
 
+    def load_lora(self, name: str, path: str) -> None:
+        if self.loras is None:
+            raise ValueError(f"{self.name} runs over several ranks here: LoRA adapters are "
+                             "served on single-rank stages only")
+        self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        if self.loras is None:
+            raise ValueError(f"no adapter named {name!r} is loaded")
+        self.loras.unload(name)
+
+    def lora_names(self) -> list[str]:
+        return sorted(self.loras.adapters) if self.loras is not None else []
+
+    def check_lora(self, params: DiffusionParams) -> None:
+        if params.lora is not None:
+            if self.loras is None:
+                raise ValueError(f"no LoRA adapter named {params.lora!r} is loaded")
+            self.loras.check(params.lora)
+
     def check_conditioning(self, given: list[dict], params: DiffusionParams) -> None:
         """A request's upstream conditioning fits it; without one, the text encoder is here."""
         if not given:
@@ -236,6 +261,23 @@ class StepAdapter(DiffusionAdapter):
         t = torch.cat([r.timesteps[r.step].expand(n) for r, n in zip(reqs, rows, strict=True)])
         t = t.to(latents.dtype)
         cfg = self.uses_cfg(reqs[0].params)
+        adapters = [(r.params.lora, r.params.lora_scale) for r, n in zip(reqs, rows, strict=True)
+                    for _ in range(n)]
+        with self._loras(adapters + adapters if cfg else adapters, latents):
+            pred = self._predict(reqs, rows, latents, t, cfg)
+        for r, noise in zip(reqs, pred.split(rows), strict=True):
+            t_r = r.timesteps[r.step]
+            r.latents = r.scheduler.step(noise, t_r, r.latents, return_dict=False)[0]
+            r.step += 1
+
+    def _loras(self, adapters: list[tuple[str | None, float]], like: torch.Tensor):
+        if self.loras is None or all(name is None for name, _ in adapters):
+            return contextlib.nullcontext()
+        return self.loras.applied(adapters, like)
+
+    def _predict(self, reqs: list[DiffusionRequest], rows: list[int], latents: torch.Tensor,
+                 t: torch.Tensor, cfg: bool) -> torch.Tensor:
+        """The guided noise prediction for the batch: one transformer call."""
         conds = [r.cond for r in reqs]
         slots = self._cache_slots(reqs, rows, branch=0)
         if cfg:
@@ -254,10 +296,7 @@ class StepAdapter(DiffusionAdapter):
         else:
             inputs = self.transformer_inputs(latents, t, conds, reqs, rows)
             pred = self.run_transformer(inputs, slots, t.tolist(), cfg=False)
-        for r, noise in zip(reqs, pred.split(rows), strict=True):
-            t_r = r.timesteps[r.step]
-            r.latents = r.scheduler.step(noise, t_r, r.latents, return_dict=False)[0]
-            r.step += 1
+        return pred
 
     def run_transformer(self, inputs: dict[str, Any], slots: list, timesteps: list[float],
                         cfg: bool) -> torch.Tensor:
