@@ -331,6 +331,48 @@ def test_adapters_are_models_loaded_and_unloaded_at_run_time(flux_server, flux_l
     assert {m.id for m in client.models.list().data} == {base, "ink", "clay"}
 
 
+@pytest.fixture(scope="module")
+def int8_server(tmp_path_factory, flux_loras):
+    """flux-tiny with int8 weights, asked for by vLLM's own flag, and an adapter on them."""
+    srv = ServerProcess([str(flux_loras["folder"]), "--quantization",
+                         "int8_per_channel_weight_only", "--lora-modules",
+                         f"ink={flux_loras['ink']}"], tmp_path_factory.mktemp("log") / "q.log")
+    yield flux_loras["folder"], srv
+    assert srv.stop(), "processes of the server were still alive after SIGTERM"
+
+
+def test_int8_weights_draw_near_fp32_take_adapters_and_plan_less(int8_server, flux_server,
+                                                                 flux_loras):
+    """int8 weight-only: within 30 dB of diffusers' fp32 image, also with an adapter on the
+    quantized base, and the plan holds the transformer at a byte per weight (the rest of
+    the pipeline as it was)."""
+    folder, srv = int8_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    steps = {"num_inference_steps": 6, "seed": 11}
+    r = client.images.generate(prompt="a red cat", size="64x64", extra_body=steps)
+    want = reference_pil(folder, "a red cat", 11, width=64, height=64, num_inference_steps=6)
+    assert 30 <= psnr(decode(r.data[0].b64_json), want[0]) < 100  # close, not the same
+    r = client.images.generate(model="ink", prompt="a red cat", size="64x64",
+                               extra_body=steps)
+    want = lora_reference(folder, flux_loras["ink"], 1.0, "a red cat", 11, width=64,
+                          height=64, num_inference_steps=6)
+    assert psnr(decode(r.data[0].b64_json), want) >= 30
+
+    def weights(server) -> int:
+        (stage,) = httpx.get(server.url + "/v1/omni/plan", timeout=10).json()["stages"]
+        return stage["weights"]
+
+    from safetensors import safe_open
+
+    transformer = 0
+    for f in (folder / "transformer").glob("*.safetensors"):
+        with safe_open(f, "pt") as weights_file:
+            transformer += sum(4 * int(np.prod(weights_file.get_slice(k).get_shape()))
+                               for k in weights_file.keys())  # fp32 values
+    assert weights(flux_server[1]) - weights(srv) == pytest.approx(transformer * 3 / 4,
+                                                                   rel=0.001)
+
+
 def test_killed_engine_core_fails_requests_and_health(flux_server):
     """Last in this module: it kills the server's diffusion engine core."""
     import os

@@ -23,6 +23,7 @@ from vllm_omni.engine.diffusion.batch_sizer import BatchSizer
 from vllm_omni.engine.diffusion.cache import CacheConfig
 from vllm_omni.engine.diffusion.parallel.clock import COMM
 from vllm_omni.engine.diffusion.params import DiffusionParams
+from vllm_omni.engine.diffusion.quantize import check_quantization, quantize_weights
 from vllm_omni.engine.diffusion.request import DiffusionRequest
 from vllm_omni.engine.diffusion.scheduler import (
     POLICIES,
@@ -86,12 +87,19 @@ class EngineOptions:
     # LoRA adapters served from the start, name -> diffusers / PEFT LoRA file or folder
     # (requests choose one by name; more are loaded at run time).
     lora_modules: dict[str, str] = field(default_factory=dict)
+    # The transformer's linear weights in 8 bits: "int8" (any device) or "fp8" (GPUs of
+    # compute capability 8.9+); engine/diffusion/quantize.py.
+    quantization: str | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from vllm_omni.engine.diffusion.parallel.layout import check_degrees
 
         check_degrees(self)
+        check_quantization(self.quantization, self.device)
+        if self.quantization is not None and self.offload is not None:
+            raise ValueError("quantization and offload cannot be combined: torchao's "
+                             "weights do not move between devices on demand")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(POLICIES)}, got "
                              f"{self.scheduling_policy!r}")
@@ -199,6 +207,8 @@ class DiffusionCore(CoreBase):
                                       offload_type="leaf_level", use_stream=True)
         else:
             pipe.to(options.device)
+        if options.quantization is not None:
+            quantize_weights(pipe.transformer, options.quantization, options.device)
         self.adapter = adapter_for(pipe, options.device, ranks)
         for name, path in options.lora_modules.items():
             try:

@@ -19,6 +19,7 @@ from vllm_omni.config.schema import StageConfig
 from vllm_omni.engine.diffusion.client import AsyncDiffusionEngine
 from vllm_omni.engine.diffusion.core import EngineOptions
 from vllm_omni.engine.diffusion.params import DiffusionParams
+from vllm_omni.engine.diffusion.quantize import VLLM_NAMES, quantized_bytes
 from vllm_omni.engine.memory import RUNTIME, TORCH_BYTES, StagePlan, read_config, weights_bytes
 from vllm_omni.engine.stage import EngineStage, StageInfo, StartContext
 from vllm_omni.outputs import OmniRequestOutput, VideoOutput
@@ -45,7 +46,9 @@ def engine_options(
     and parallel degrees; `cache_config` (the server's step caching) over the stage's
     default `cache` params."""
     given = {k: v for k, v in engine_kwargs.items() if k in _SHARED_ARGS}
-    ignored = sorted(set(engine_kwargs) - _SHARED_ARGS)
+    if engine_kwargs.get("quantization") in VLLM_NAMES:
+        given["quantization"] = VLLM_NAMES[engine_kwargs["quantization"]]
+    ignored = sorted(set(engine_kwargs) - _SHARED_ARGS - set(given))
     if ignored:
         logger.info("stage %r: vLLM engine args %s do not apply to diffusion", stage.name, ignored)
     options = {**stage.engine_args, **given, **(parallel or {})}
@@ -149,10 +152,13 @@ class DiffusionStage(EngineStage):
         patch = max(patch[-1] if isinstance(patch, list) else patch, 2)  # Flux packs 2 x 2
         tokens = (side // scale // patch) ** 2
         per_image = max(2 * tokens * inner * itemsize * 16, side * side * channels * 3 * itemsize)
+        transformer = weights_bytes(str(root / "transformer"), None, itemsize)
         weights = weights_bytes(str(root), None, itemsize) - sum(
             weights_bytes(str(root / c), None, itemsize) for c in options.skip_components)
+        # A quantized transformer holds a byte per weight (every rank's copy).
+        weights -= transformer - quantized_bytes(transformer, itemsize, options.quantization)
         if world > 1:
-            weights += (world - 1) * weights_bytes(str(root / "transformer"), None, itemsize)
+            weights += (world - 1) * quantized_bytes(transformer, itemsize, options.quantization)
         if options.offload:  # the device holds one model, or one block, at a time
             weights = max((weights_bytes(str(p), None, itemsize) for p in root.iterdir()
                            if p.is_dir()), default=weights)

@@ -74,6 +74,7 @@ class RankGroup:
         for rank in range(1, self.layout.world):
             spec = {
                 "model": model, "dtype": options.dtype, "device": self.devices[rank],
+                "quantization": options.quantization,
                 "cores": self.cores[rank], "rank": rank, "layout": list(
                     (self.layout.ulysses, self.layout.ring, self.layout.cfg)),
                 "store_port": self._store.port, "address": self._listener.address,

@@ -47,6 +47,7 @@ def main(spec: dict) -> None:
     from vllm_omni.engine.diffusion.parallel.driver import backend, bind_rank
     from vllm_omni.engine.diffusion.parallel.layout import Layout
     from vllm_omni.engine.diffusion.parallel.rank import RankRuntime
+    from vllm_omni.engine.diffusion.quantize import quantize_weights
 
     device = spec["device"]
     bind_rank(spec["cores"], device)
@@ -60,6 +61,8 @@ def main(spec: dict) -> None:
         adapter = STEP_ADAPTERS[index["_class_name"]]
         transformer = getattr(diffusers, index["transformer"][1]).from_pretrained(
             root / "transformer", torch_dtype=getattr(torch, spec["dtype"])).to(device)
+        if spec.get("quantization"):
+            quantize_weights(transformer, spec["quantization"], device)
     except BaseException:
         conn.send(traceback.format_exc())
         return
