@@ -20,6 +20,7 @@ from PIL import Image
 
 from vllm_omni.entrypoints.openai.protocol import OmniHTTPError
 from vllm_omni.entrypoints.openai.video_jobs import VideoJob, VideoJobs
+from vllm_omni.testing.tiny_lora import make_lora
 from vllm_omni.testing.tiny_models import make_tiny
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -41,9 +42,17 @@ def reference(wan):
     pipe = DiffusionPipeline.from_pretrained(wan)
     pipe.set_progress_bar_config(disable=True)
 
-    def frames(prompt: str, seed: int, **kw) -> np.ndarray:
+    def frames(prompt: str, seed: int, lora: tuple[str, float] | None = None,
+               **kw) -> np.ndarray:
+        """diffusers' frames; with `lora` (file, scale), from a pipeline with it loaded."""
+        run = pipe
+        if lora is not None:
+            run = DiffusionPipeline.from_pretrained(wan)
+            run.set_progress_bar_config(disable=True)
+            run.load_lora_weights(lora[0], adapter_name="it")
+            run.set_adapters(["it"], adapter_weights=[lora[1]])
         gen = torch.Generator().manual_seed(seed)
-        return pipe(prompt, generator=gen, output_type="np", **{**SHAPE, **kw}).frames[0]
+        return run(prompt, generator=gen, output_type="np", **{**SHAPE, **kw}).frames[0]
 
     return frames
 
@@ -73,10 +82,15 @@ def test_engine_batches_videos_equal_to_diffusers(wan, reference):
         ("a red cat", {"seed": 9, "num_inference_steps": 4,
                        "cache": {"method": "teacache", "threshold": 0}}),
     ]
+    # A LoRA adapter on some rows of the batch (both guidance branches of its request).
+    lora = str(make_lora(wan, wan.parent / "lora", seed=5))
+    requests.append(("a red cat", {"seed": 3, "num_inference_steps": 4, "lora": "ink",
+                                   "lora_scale": 0.7}))
     # A cache that reuses steps, in the same batch: its rows skip blocks, the others do not.
     cached = ("a red cat", {"seed": 3, "num_inference_steps": 4,
                             "cache": {"method": "block", "threshold": 100, "warmup_steps": 1}})
-    engine = AsyncDiffusionEngine(str(wan), EngineOptions(progress_interval=0))
+    engine = AsyncDiffusionEngine(str(wan), EngineOptions(progress_interval=0,
+                                                          lora_modules={"ink": lora}))
     try:
         assert engine.info["family"] == "wan" and engine.info["step_level"]
 
@@ -97,7 +111,11 @@ def test_engine_batches_videos_equal_to_diffusers(wan, reference):
         assert out.video.dtype == np.uint8  # 8-bit frames, the floats beside them as asked
         kw = dict(kw)
         kw.pop("cache", None)
-        want = reference(prompt, kw.pop("seed"), **kw)
+        if kw.pop("lora", None):
+            want = reference(prompt, kw.pop("seed"), lora=(lora, kw.pop("lora_scale")), **kw)
+            assert np.abs(want - results[0][0].float_video).max() > 0.05  # it does change
+        else:
+            want = reference(prompt, kw.pop("seed"), **kw)
         np.testing.assert_allclose(out.float_video, want, atol=1e-4, rtol=0, err_msg=prompt)
         assert np.abs(out.video.astype(np.int16) - np.round(want * 255)).max() <= 1
     assert results[3][0].cache == {"method": "teacache", "computed_steps": 8, "cached_steps": 0}

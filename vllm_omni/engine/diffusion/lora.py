@@ -103,7 +103,11 @@ class LoraSet:
         self.adapters: dict[str, dict[str, LoraLayer]] = {}
         self.paths: dict[str, str] = {}
         self._hooks: dict[str, Any] = {}
-        self._groups: list[_Group] = []  # set for one transformer call
+        # Set for one transformer call: each row's (adapter, scale), and the groups of rows
+        # the layers now run on.
+        self._rows: list[tuple[str | None, float]] = []
+        self._like: torch.Tensor | None = None
+        self._groups: list[_Group] = []
         self._batch = 0
 
     def load(self, name: str, path: str) -> None:
@@ -131,21 +135,40 @@ class LoraSet:
     @contextlib.contextmanager
     def applied(self, rows: list[tuple[str | None, float]], like: torch.Tensor) -> Iterator[None]:
         """Within: each row of the transformer's batch gets its (adapter, scale)."""
-        by_name: dict[str, list[int]] = {}
-        for i, (name, _) in enumerate(rows):
-            if name is not None:
-                by_name.setdefault(name, []).append(i)
-        groups = []
-        for name, idx in by_name.items():
-            scales = torch.tensor([rows[i][1] for i in idx], dtype=like.dtype,
-                                  device=like.device)
-            index = None if len(idx) == len(rows) else torch.tensor(idx, device=like.device)
-            groups.append(_Group(self.adapters[name], index, scales))
-        self._groups, self._batch = groups, len(rows)
+        self._rows, self._like = rows, like
+        self._select(list(range(len(rows))))
         try:
             yield
         finally:
-            self._groups = []
+            self._rows, self._groups, self._batch = [], [], 0
+
+    @contextlib.contextmanager
+    def narrowed(self, keep: list[int]) -> Iterator[None]:
+        """Within: the layers run on the rows `keep` of the call's batch only (a block the
+        step cache skips for the other rows)."""
+        if not self._rows:
+            yield
+            return
+        saved = self._groups, self._batch
+        self._select(keep)
+        try:
+            yield
+        finally:
+            self._groups, self._batch = saved
+
+    def _select(self, keep: list[int]) -> None:
+        by_name: dict[str, list[int]] = {}
+        for i, row in enumerate(keep):
+            name = self._rows[row][0]
+            if name is not None:
+                by_name.setdefault(name, []).append(i)
+        like, groups = self._like, []
+        for name, idx in by_name.items():
+            scales = torch.tensor([self._rows[keep[i]][1] for i in idx], dtype=like.dtype,
+                                  device=like.device)
+            index = None if len(idx) == len(keep) else torch.tensor(idx, device=like.device)
+            groups.append(_Group(self.adapters[name], index, scales))
+        self._groups, self._batch = groups, len(keep)
 
     def _hook(self, module_name: str):
         def add_delta(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:

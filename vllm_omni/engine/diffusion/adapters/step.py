@@ -55,8 +55,10 @@ class StepAdapter(DiffusionAdapter):
         super().__init__(pipe)
         self.executor = executor
         # Adapters hook this process's transformer, so a stage split between ranks has none.
-        self.loras = (LoraSet(pipe, pipe.transformer)
-                      if isinstance(executor, LocalTransformer) else None)
+        self.loras = None
+        if isinstance(executor, LocalTransformer):
+            self.loras = LoraSet(pipe, pipe.transformer)
+            executor.cache.row_views.append(self.loras.narrowed)
         # Where the models run, from the engine: diffusers says it only through a private
         # property, and the public `pipe.device` is the weights' resting place, the CPU, when
         # they are offloaded.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,6 +166,9 @@ class DiTCacheManager:
         # Sums the rows' change statistics over the ranks that hold slices of one sequence,
         # so they all decide alike (None: one process holds the whole sequence).
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Per-row state of others (LoRA adapters) narrowed to the rows a block computes,
+        # while it runs on fewer rows than the call has.
+        self.row_views: list[Callable[[list[int]], AbstractContextManager]] = []
         self.unsupported = self._why_not(transformer)
         if self.unsupported:
             return
@@ -282,14 +285,16 @@ class DiTCacheManager:
     def _run_rows(self, forward, kwargs: dict, skipped: list[int], single: bool):
         """Run `forward` on the rows not skipped; skipped rows pass through unchanged."""
         hidden, encoder = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
-        keep = torch.tensor(
-            [r for r in range(hidden.shape[0]) if r not in skipped], device=hidden.device
-        )
+        rows = [r for r in range(hidden.shape[0]) if r not in skipped]
+        keep = torch.tensor(rows, device=hidden.device)
         sub = {
             k: v.index_select(0, keep) if k in _BATCHED and isinstance(v, torch.Tensor) else v
             for k, v in kwargs.items()
         }
-        encoder_part, hidden_part = self._streams(forward(**sub), single)
+        with ExitStack() as views:
+            for view in self.row_views:
+                views.enter_context(view(rows))
+            encoder_part, hidden_part = self._streams(forward(**sub), single)
         hidden_out = hidden.index_copy(0, keep, hidden_part)
         encoder_out = None if encoder_part is None else encoder.index_copy(0, keep, encoder_part)
         return encoder_out, hidden_out
