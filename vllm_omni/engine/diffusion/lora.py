@@ -88,13 +88,6 @@ def read_adapter(pipe: Any, path: str, model: nn.Module) -> dict[str, LoraLayer]
     return layers
 
 
-@dataclass
-class _Group:
-    layers: dict[str, LoraLayer]
-    rows: torch.Tensor | None  # None: every row of the batch
-    scales: torch.Tensor  # the request's scale of each of those rows
-
-
 class LoraSet:
     """The adapters a transformer serves, by name, and the hooks that apply them."""
 
@@ -103,12 +96,14 @@ class LoraSet:
         self.adapters: dict[str, dict[str, LoraLayer]] = {}
         self.paths: dict[str, str] = {}
         self._hooks: dict[str, Any] = {}
-        # Set for one transformer call: each row's (adapter, scale), and the groups of rows
-        # the layers now run on.
+        # Set for one transformer call: each row's (adapter, scale); then, for the rows the
+        # layers now run on, either the one adapter they all use with each row's scale, or
+        # (mixed rows) each layer's A and B stacked per row, built when the layer first runs.
         self._rows: list[tuple[str | None, float]] = []
         self._like: torch.Tensor | None = None
-        self._groups: list[_Group] = []
-        self._batch = 0
+        self._keep: list[int] = []
+        self._single: tuple[dict[str, LoraLayer], torch.Tensor] | None = None
+        self._stacked: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def load(self, name: str, path: str) -> None:
         if name in self.adapters:
@@ -140,7 +135,7 @@ class LoraSet:
         try:
             yield
         finally:
-            self._rows, self._groups, self._batch = [], [], 0
+            self._rows, self._keep, self._single, self._stacked = [], [], None, {}
 
     @contextlib.contextmanager
     def narrowed(self, keep: list[int]) -> Iterator[None]:
@@ -149,44 +144,67 @@ class LoraSet:
         if not self._rows:
             yield
             return
-        saved = self._groups, self._batch
-        self._select(keep)
+        saved = self._keep, self._single, self._stacked
+        self._select([self._keep[i] for i in keep])
         try:
             yield
         finally:
-            self._groups, self._batch = saved
+            self._keep, self._single, self._stacked = saved
 
     def _select(self, keep: list[int]) -> None:
-        by_name: dict[str, list[int]] = {}
-        for i, row in enumerate(keep):
-            name = self._rows[row][0]
-            if name is not None:
-                by_name.setdefault(name, []).append(i)
-        like, groups = self._like, []
-        for name, idx in by_name.items():
-            scales = torch.tensor([self._rows[keep[i]][1] for i in idx], dtype=like.dtype,
-                                  device=like.device)
-            index = None if len(idx) == len(keep) else torch.tensor(idx, device=like.device)
-            groups.append(_Group(self.adapters[name], index, scales))
-        self._groups, self._batch = groups, len(keep)
+        """The layers now run on rows `keep` of the call's batch."""
+        names = {self._rows[r][0] for r in keep}
+        self._keep, self._stacked, self._single = keep, {}, None
+        if len(names) == 1 and None not in names:
+            scales = torch.tensor([self._rows[r][1] for r in keep], dtype=self._like.dtype,
+                                  device=self._like.device)
+            self._single = self.adapters[names.pop()], scales
+
+    def _stack(self, module_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `module_name`'s A (rows x rank x in) and scaled B (rows x out x rank) for
+        each row now run (zeros for a row whose adapter leaves the layer alone, ranks padded
+        with zeros to the largest); None when no row's adapter has the layer."""
+        layers = [(self.adapters[name].get(module_name), scale) if name else (None, 0.0)
+                  for name, scale in (self._rows[r] for r in self._keep)]
+        present = [layer for layer, _ in layers if layer is not None]
+        if not present:
+            return None
+        rank = max(layer.down.shape[0] for layer in present)
+        fan_in, fan_out = present[0].down.shape[1], present[0].up.shape[0]
+        like = present[0].down
+        down = like.new_zeros(len(layers), rank, fan_in)
+        up = like.new_zeros(len(layers), fan_out, rank)
+        for i, (layer, scale) in enumerate(layers):
+            if layer is not None:
+                r = layer.down.shape[0]
+                down[i, :r] = layer.down
+                up[i, :, :r] = layer.up * (scale * layer.scale)
+        return down, up
 
     def _hook(self, module_name: str):
         def add_delta(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+            if not self._keep:
+                return output
             x = args[0]
-            if self._groups and x.shape[0] != self._batch:
+            if x.shape[0] != len(self._keep):
                 raise RuntimeError(f"{module_name} ran on {x.shape[0]} rows in a batch of "
-                                   f"{self._batch}: its LoRA delta cannot be given per row")
-            for group in self._groups:
-                layer = group.layers.get(module_name)
+                                   f"{len(self._keep)}: its LoRA delta cannot be given per row")
+            if self._single is not None:  # one adapter on every row: plain matmuls
+                layers, scales = self._single
+                layer = layers.get(module_name)
                 if layer is None:
-                    continue
-                part = x if group.rows is None else x.index_select(0, group.rows)
-                delta = (part @ layer.down.T) @ layer.up.T
-                delta = delta * (group.scales * layer.scale).view(-1, *[1] * (delta.dim() - 1))
-                if group.rows is None:
-                    output = output + delta
-                else:
-                    output = output.index_add(0, group.rows, delta)
-            return output
+                    return output
+                delta = (x @ layer.down.T) @ layer.up.T
+                return output + delta * (scales * layer.scale).view(
+                    -1, *[1] * (delta.dim() - 1))
+            if module_name not in self._stacked:
+                self._stacked[module_name] = self._stack(module_name)
+            stacked = self._stacked[module_name]
+            if stacked is None:
+                return output
+            down, up = stacked
+            rows = x.reshape(x.shape[0], -1, x.shape[-1])
+            delta = torch.bmm(torch.bmm(rows, down.transpose(1, 2)), up.transpose(1, 2))
+            return output + delta.view(output.shape)
 
         return add_delta
