@@ -10,9 +10,11 @@ from fastapi import FastAPI
 
 from vllm_omni.entrypoints.openai.protocol import (
     ImageGenerationRequest,
+    LoadLoraAdapterRequest,
     OmniChatCompletionRequest,
     OmniCompletionRequest,
     SpeechRequest,
+    UnloadLoraAdapterRequest,
     VideoCreateRequest,
 )
 
@@ -22,6 +24,8 @@ JSON_BODIES = {
     "/v1/images/generations": ImageGenerationRequest,
     "/v1/audio/speech": SpeechRequest,
     "/v1/videos": VideoCreateRequest,
+    "/v1/load_lora_adapter": LoadLoraAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
 EDIT_FORM = {"type": "object", "required": ["image", "prompt"], "properties": {
     "image": {"type": "string", "format": "binary"}, "prompt": {"type": "string"},
