@@ -94,16 +94,14 @@ class LoraSet:
     def __init__(self, pipe: Any, model: nn.Module) -> None:
         self.pipe, self.model = pipe, model
         self.adapters: dict[str, dict[str, LoraLayer]] = {}
-        self.paths: dict[str, str] = {}
         self._hooks: dict[str, Any] = {}
         # Set for one transformer call: each row's (adapter, scale); then, for the rows the
         # layers now run on, either the one adapter they all use with each row's scale, or
-        # (mixed rows) each layer's A and B stacked per row, built when the layer first runs.
+        # (mixed rows) None, and each layer stacks its A and B per row as it runs.
         self._rows: list[tuple[str | None, float]] = []
         self._like: torch.Tensor | None = None
         self._keep: list[int] = []
         self._single: tuple[dict[str, LoraLayer], torch.Tensor] | None = None
-        self._stacked: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def load(self, name: str, path: str) -> None:
         if name in self.adapters:
@@ -112,12 +110,12 @@ class LoraSet:
         for module_name in layers.keys() - self._hooks.keys():
             module = self.model.get_submodule(module_name)
             self._hooks[module_name] = module.register_forward_hook(self._hook(module_name))
-        self.adapters[name], self.paths[name] = layers, path
+        self.adapters[name] = layers
 
     def unload(self, name: str) -> None:
         if name not in self.adapters:
             raise ValueError(f"no adapter named {name!r} is loaded")
-        del self.adapters[name], self.paths[name]
+        del self.adapters[name]
         used = {m for layers in self.adapters.values() for m in layers}
         for module_name in self._hooks.keys() - used:
             self._hooks.pop(module_name).remove()
@@ -135,7 +133,7 @@ class LoraSet:
         try:
             yield
         finally:
-            self._rows, self._keep, self._single, self._stacked = [], [], None, {}
+            self._rows, self._keep, self._single = [], [], None
 
     @contextlib.contextmanager
     def narrowed(self, keep: list[int]) -> Iterator[None]:
@@ -144,17 +142,17 @@ class LoraSet:
         if not self._rows:
             yield
             return
-        saved = self._keep, self._single, self._stacked
+        saved = self._keep, self._single
         self._select([self._keep[i] for i in keep])
         try:
             yield
         finally:
-            self._keep, self._single, self._stacked = saved
+            self._keep, self._single = saved
 
     def _select(self, keep: list[int]) -> None:
         """The layers now run on rows `keep` of the call's batch."""
         names = {self._rows[r][0] for r in keep}
-        self._keep, self._stacked, self._single = keep, {}, None
+        self._keep, self._single = keep, None
         if len(names) == 1 and None not in names:
             scales = torch.tensor([self._rows[r][1] for r in keep], dtype=self._like.dtype,
                                   device=self._like.device)
@@ -197,9 +195,7 @@ class LoraSet:
                 delta = (x @ layer.down.T) @ layer.up.T
                 return output + delta * (scales * layer.scale).view(
                     -1, *[1] * (delta.dim() - 1))
-            if module_name not in self._stacked:
-                self._stacked[module_name] = self._stack(module_name)
-            stacked = self._stacked[module_name]
+            stacked = self._stack(module_name)  # each layer runs once per call
             if stacked is None:
                 return output
             down, up = stacked

@@ -184,17 +184,16 @@ class StepAdapter(DiffusionAdapter):
 
     def unload_lora(self, name: str) -> None:
         if self.loras is None:
-            raise ValueError(f"no adapter named {name!r} is loaded")
+            return super().unload_lora(name)
         self.loras.unload(name)
 
     def lora_names(self) -> list[str]:
         return sorted(self.loras.adapters) if self.loras is not None else []
 
     def check_lora(self, params: DiffusionParams) -> None:
-        if params.lora is not None:
-            if self.loras is None:
-                raise ValueError(f"no LoRA adapter named {params.lora!r} is loaded")
-            self.loras.check(params.lora)
+        if self.loras is None:
+            return super().check_lora(params)
+        self.loras.check(params.lora)
 
     def check_conditioning(self, given: list[dict], params: DiffusionParams) -> None:
         """A request's upstream conditioning fits it; without one, the text encoder is here."""
