@@ -271,3 +271,13 @@ def screenshot(page, name: str) -> Path:
     path = folder / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_omni(tmp_path_factory) -> str:
+    """The tiny Qwen3-Omni folder (MoE thinker, MoE talker + code predictor, code2wav)."""
+    from vllm_omni.compat.torchvision_free import install
+    from vllm_omni.testing.tiny_models import make_tiny
+
+    install()
+    return str(make_tiny("qwen3-omni-tiny", tmp_path_factory.mktemp("models") / "qwen3-omni"))

@@ -21,6 +21,7 @@ import torch
 
 from vllm_omni.testing.tiny_diffusers import DIFFUSERS_MODELS
 from vllm_omni.testing.tiny_omni import build_qwen2_5_omni
+from vllm_omni.testing.tiny_qwen3_omni import build_qwen3_omni
 from vllm_omni.testing.tokenizer import CHATML_TEMPLATE, train_tokenizer
 
 CHAT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -95,6 +96,7 @@ BUILDERS: dict[str, Callable[[Path, int, str], None]] = {
     "qwen2_5-omni-tiny": build_qwen2_5_omni,
     "qwen2_5-omni-small": functools.partial(build_qwen2_5_omni, size="small"),
     "qwen2_5-omni-scaled": functools.partial(build_qwen2_5_omni, size="scaled"),
+    "qwen3-omni-tiny": build_qwen3_omni,
 }
 
 

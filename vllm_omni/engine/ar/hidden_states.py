@@ -10,7 +10,9 @@ request, in input-batch order) and kept for requests that asked for them
 row per decode step: the layout of HF's `hidden_states`, where the last sampled token has no
 row yet. Two tensors per request: `hidden_states` (HF's `hidden_states[-1]`) and `embeds`
 (HF's `hidden_states[0]`). Models with multimodal RoPE add `positions`, the prompt's (3, P)
-positions, and `position_delta`, the offset of every later position (vLLM's own).
+positions, and `position_delta`, the offset of every later position (vLLM's own). A model
+can offer more rows per token (`omni_row_names`, set as `omni_rows` by its forward: Qwen3-Omni's
+thinker hands on the intermediate layer its talker reads); they are kept the same way.
 
 With prefix caching on, a request that hits the cache skips the forward pass over the cached
 tokens. Their rows are kept with the cache: every computed token's rows go to a store indexed
@@ -117,6 +119,7 @@ class HiddenStatesMixin:
             self._omni_store = RowStore(
                 kv.num_blocks, kv.kv_cache_groups[0].kv_cache_spec.block_size)
         model = self.model_runner.get_model()
+        self._omni_row_names = ROWS + tuple(getattr(model, "omni_row_names", ()))
 
         def before(module, args, kwargs):
             if not self._omni_capture:
@@ -130,6 +133,8 @@ class HiddenStatesMixin:
             if self._omni_capture:
                 out = output[0] if isinstance(output, tuple) else output
                 self._omni_step["hidden_states"] = out.detach()
+                for name, rows in getattr(_module, "omni_rows", {}).items():
+                    self._omni_step[name] = rows.detach()
                 # Where each of the step's tokens has its KV: where the store files its rows.
                 mapping = get_forward_context().slot_mapping
                 if isinstance(mapping, dict) and mapping:
@@ -156,7 +161,7 @@ class HiddenStatesMixin:
             self._omni_capture = False
         step, self._omni_step = self._omni_step, {}
         if self._omni_keeps:
-            if all(name in step for name in ROWS):
+            if all(name in step for name in self._omni_row_names):
                 self._keep_step(step, scheduler_output.num_scheduled_tokens, starts)
             for req in scheduler_output.scheduled_new_reqs:
                 state = self.model_runner.requests.get(req.req_id)
@@ -174,7 +179,7 @@ class HiddenStatesMixin:
                    starts: dict[str, int]) -> None:
         """File the step's rows: into the store, and for each request that asked for them."""
         total = sum(counts.values())
-        on_cpu = {name: step[name][:total].to("cpu", copy=True) for name in ROWS}
+        on_cpu = {name: step[name][:total].to("cpu", copy=True) for name in self._omni_row_names}
         store = self._omni_store
         if store is not None:
             if "slots" not in step:
@@ -194,7 +199,8 @@ class HiddenStatesMixin:
                                            "a prefix cache to take the rows before it from")
                     block_ids = self.model_runner.requests[req_id].block_ids[0]
                     cached = store.slots(block_ids, kept.count, start)
-                    kept.put(kept.count, {name: store.read(name, cached) for name in ROWS})
+                    kept.put(kept.count, {name: store.read(name, cached)
+                                          for name in self._omni_row_names})
                 kept.put(start, {name: rows[offset : offset + n].clone()
                                  for name, rows in on_cpu.items()})
             offset += n
