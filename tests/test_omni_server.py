@@ -571,8 +571,44 @@ def test_realtime_cancel_stops_every_stage_and_errors_keep_the_socket(server, cl
             pass
         assert event.response.status == "cancelled"
         assert_no_request_runs(server)
+        # The client played only part of the cancelled answer: it truncates the item.
+        answer = event.response.output[0].id
+        for bad, code in [({"item_id": "item_none", "audio_end_ms": 0}, "item_not_found"),
+                          ({"item_id": answer, "audio_end_ms": 10 ** 7}, "invalid_value")]:
+            conn.send({"type": "conversation.item.truncate", "content_index": 0, **bad})
+            event = conn.recv()
+            assert event.type == "error" and event.error.code == code, (bad, event)
+        conn.send({"type": "conversation.item.truncate", "item_id": answer,
+                   "content_index": 0, "audio_end_ms": 10})
+        event = conn.recv()
+        assert event.type == "conversation.item.truncated" and event.audio_end_ms == 10
         _, text, _ = realtime_answer(conn, {"output_modalities": ["text"]})
         assert text
+
+
+def test_realtime_transcribes_committed_turns_like_the_endpoint(server, client):
+    """`audio.input.transcription` on: a committed turn gets the transcript that
+    /v1/audio/transcriptions gives for the same audio, as its item's event."""
+    expected = client.audio.transcriptions.create(
+        model=model_name(client), file=("turn.wav", spoken_file("wav"))).text
+    samples, _ = soundfile.read(io.BytesIO(spoken_file("wav")), dtype="int16")
+    with realtime_client(server).realtime.connect(model=model_name(client)) as conn:
+        conn.recv()
+        conn.session.update(session={"output_modalities": ["text"], "audio": {
+            "input": {"transcription": {"model": "any", "language": 7}}}})
+        event = conn.recv()
+        assert event.type == "error" and "language" in event.error.message
+        conn.session.update(session={"output_modalities": ["text"], "audio": {
+            "input": {"transcription": {"model": "any"}}}})
+        assert conn.recv().session.audio.input.transcription is not None
+        append_pcm(conn, samples)
+        conn.input_audio_buffer.commit()
+        committed = conn.recv()
+        assert committed.type == "input_audio_buffer.committed"
+        while (event := conn.recv()).type != (
+                "conversation.item.input_audio_transcription.completed"):
+            pass
+        assert event.item_id == committed.item_id and event.transcript == expected
 
 
 def voiced(seconds: float, rate: int = 24000) -> np.ndarray:

@@ -146,6 +146,19 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         default=20.0,
         help="Longest video a request may ask for (num_frames / fps); longer is a 400.",
     )
+    # Realtime API (WS /v1/realtime)
+    parser.add_argument(
+        "--max-realtime-sessions",
+        type=int,
+        default=64,
+        help="Realtime sockets open at once; one more is closed with code 1013 (try later).",
+    )
+    parser.add_argument(
+        "--realtime-idle-timeout",
+        type=float,
+        default=600.0,
+        help="Seconds a realtime socket may send nothing before the server closes it.",
+    )
     return parser
 
 

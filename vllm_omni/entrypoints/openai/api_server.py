@@ -137,7 +137,9 @@ def api_routes(omni: AsyncOmniLLM, served_model_names: list[str], args: Namespac
         return r.query_params.get(name)
 
     lora = OmniServingLora(omni, served_model_names)
-    realtime = RealtimeEndpoint(chat, [k for k in (args.api_key or []) if k])
+    realtime = RealtimeEndpoint(chat, [k for k in (args.api_key or []) if k],
+                                args.max_realtime_sessions, args.realtime_idle_timeout,
+                                transcription)
     return [
         Route("POST", "/v1/chat/completions", "chat", chat.chat,
               OmniChatCompletionRequest, "chatcmpl"),

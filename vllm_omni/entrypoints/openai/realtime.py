@@ -6,7 +6,9 @@ serving (`OmniServingChat.start`), so it renders, checks and samples exactly as
 `/v1/chat/completions` does for the same turns; its text and audio come back as the protocol's
 delta events while the stages produce them. A response runs as a task beside the socket's
 reader, so `response.cancel` and a closed socket cancel it, and cancelling the answer's
-iterator aborts the request in every stage.
+iterator aborts the request in every stage. Input transcription (`audio.input.transcription`)
+runs each committed turn through `/v1/audio/transcriptions`' own request, also beside the
+reader, and its event comes when it is done, before or after the response's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from vllm_omni.entrypoints.openai.audio import AudioPieces, encode_audio
 from vllm_omni.entrypoints.openai.protocol import OmniChatCompletionRequest
 from vllm_omni.entrypoints.openai.serving_base import TextDeltas, error_status
 from vllm_omni.entrypoints.openai.serving_chat import OmniServingChat
+from vllm_omni.entrypoints.openai.serving_transcription import OmniServingTranscription
 from vllm_omni.entrypoints.openai.vad import SpeechDetector
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -52,8 +55,10 @@ def _id(prefix: str) -> str:
 class RealtimeSession:
     """One socket's conversation. `send` writes one server event (a dict) to the client."""
 
-    def __init__(self, chat: OmniServingChat, send) -> None:
+    def __init__(self, chat: OmniServingChat, send,
+                 transcription: OmniServingTranscription | None = None) -> None:
         self.chat, self._send = chat, send
+        self.transcription = transcription if transcription and transcription.hears() else None
         stage = chat.omni.audio_stage
         self.voices = list(stage.info.voices) if stage is not None else []
         self.output_rate = stage.info.sample_rate if stage is not None else None
@@ -63,7 +68,8 @@ class RealtimeSession:
             "output_modalities": ["audio"] if stage is not None else ["text"],
             "instructions": None, "max_output_tokens": "inf",
             "audio": {
-                "input": {"format": {"type": PCM, "rate": INPUT_RATE}, "turn_detection": None},
+                "input": {"format": {"type": PCM, "rate": INPUT_RATE}, "turn_detection": None,
+                          "transcription": None},
                 "output": {"format": {"type": PCM, "rate": self.output_rate},
                            "voice": self.voices[0] if self.voices else None},
             },
@@ -76,6 +82,9 @@ class RealtimeSession:
         self.detector: SpeechDetector | None = None  # server VAD, when turned on
         self.turn_item: str | None = None  # the item of the turn being spoken
         self.response: asyncio.Task | None = None
+        self.transcribing: set[asyncio.Task] = set()
+        # Samples of audio sent per assistant item: what a truncation can cut back to.
+        self.sent: dict[str, int] = {}
 
     # -- events out ----------------------------------------------------------------------
 
@@ -92,9 +101,10 @@ class RealtimeSession:
 
     async def close(self) -> None:
         """The socket is gone: stop the running response (aborting it in every stage)."""
-        if self.response is not None and not self.response.done():
-            self.response.cancel()
-            await asyncio.gather(self.response, return_exceptions=True)
+        tasks = [*self.transcribing, *([self.response] if self.response else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- events in -----------------------------------------------------------------------
 
@@ -139,6 +149,9 @@ class RealtimeSession:
         if "turn_detection" in inp:
             session["audio"]["input"]["turn_detection"] = _turn_detection(
                 inp["turn_detection"])
+        if "transcription" in inp:
+            session["audio"]["input"]["transcription"] = self._transcription(
+                inp["transcription"])
         if "format" in out:
             session["audio"]["output"]["format"] = _pcm(out["format"], self.output_rate,
                                                         "session.audio.output.format")
@@ -156,6 +169,22 @@ class RealtimeSession:
         self.detector = None if vad is None else SpeechDetector(
             self._input_rate, vad["threshold"], vad["silence_duration_ms"])
         await self.send("session.updated", session=self.session)
+
+    def _transcription(self, given: Any) -> dict | None:
+        if given is None:
+            return None
+        given = _object(given, "session.audio.input.transcription")
+        if self.transcription is None:
+            raise RealtimeError("this pipeline has no text stage that hears audio to "
+                                "transcribe with", param="session.audio.input.transcription")
+        out = {"model": self.chat.model_name, "language": None, "prompt": None}
+        for name in ("language", "prompt"):
+            if given.get(name) is not None:
+                if not isinstance(given[name], str):
+                    raise RealtimeError(f"transcription.{name} must be a string",
+                                        param=f"session.audio.input.transcription.{name}")
+                out[name] = given[name]
+        return out  # any model name asked for: the pipeline's own text stage hears it
 
     async def buffer_append(self, event: dict) -> None:
         try:
@@ -213,6 +242,30 @@ class RealtimeSession:
         await self.send("input_audio_buffer.committed", item_id=item["id"],
                         previous_item_id=previous)
         await self._add(item)
+        if self.session["audio"]["input"]["transcription"] is not None:
+            task = asyncio.create_task(self._transcribe(item, pcm))
+            self.transcribing.add(task)
+            task.add_done_callback(self.transcribing.discard)
+
+    async def _transcribe(self, item: dict, pcm: bytes) -> None:
+        settings = self.session["audio"]["input"]["transcription"]
+        samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768
+        wav = encode_audio(samples, self._input_rate, "wav")
+        where = {"item_id": item["id"], "content_index": 0}
+        try:
+            text, usage = await self.transcription.transcript(
+                wav, _id("transcribe"), settings["language"], settings["prompt"])
+        except Exception as e:
+            status, message, _ = error_status(e)
+            if status >= 500:
+                logger.exception("Realtime transcription of %s failed", item["id"])
+            await self.send("conversation.item.input_audio_transcription.failed", **where,
+                            error={"type": "transcription_error", "code": str(status),
+                                   "message": message, "param": None})
+            return
+        item["content"][0]["transcript"] = text
+        await self.send("conversation.item.input_audio_transcription.completed", **where,
+                        transcript=text, usage=usage)
 
     async def buffer_clear(self, event: dict | None, quiet: bool = False) -> None:
         self.buffer_start += len(self.buffer) // 2
@@ -244,6 +297,37 @@ class RealtimeSession:
         self.items = kept
         await self.send("conversation.item.deleted", item_id=item_id)
 
+    async def item_truncate(self, event: dict) -> None:
+        """The client played only `audio_end_ms` of an answer (its user spoke over it): the
+        answer keeps that share of its transcript, so the conversation holds only what was
+        heard. The transcript has no timing per word; it is cut at the word boundary
+        nearest that share of its length."""
+        item_id, index, end = (event.get(k) for k in ("item_id", "content_index",
+                                                      "audio_end_ms"))
+        item = next((i for i in self.items if i["id"] == item_id), None)
+        if item is None:
+            raise RealtimeError(f"no item {item_id!r} in the conversation", "item_not_found",
+                                "item_id")
+        if item.get("status") == "in_progress":
+            raise RealtimeError("the answer is still being made: cancel the response first",
+                                param="item_id")
+        if item_id not in self.sent or index != 0:
+            raise RealtimeError("only an assistant's spoken answer (content_index 0) can be "
+                                "truncated", param="content_index")
+        if not isinstance(end, int) or isinstance(end, bool) or not 0 <= end:
+            raise RealtimeError("audio_end_ms must be a non-negative integer",
+                                param="audio_end_ms")
+        sent_ms = self.sent[item_id] * 1000 / self.output_rate
+        if end > sent_ms:
+            raise RealtimeError(f"audio_end_ms {end} is past the {sent_ms:.0f} ms of audio "
+                                "sent", param="audio_end_ms")
+        part = item["content"][0]
+        words = part["transcript"].split(" ")
+        part["transcript"] = " ".join(words[:round(len(words) * end / sent_ms)])
+        self.sent[item_id] = end * self.output_rate // 1000
+        await self.send("conversation.item.truncated", item_id=item_id, content_index=0,
+                        audio_end_ms=end)
+
     async def response_create(self, event: dict) -> None:
         if self.response is not None and not self.response.done():
             raise RealtimeError("a response is already running",
@@ -264,6 +348,7 @@ class RealtimeSession:
         "input_audio_buffer.clear": buffer_clear,
         "conversation.item.create": item_create,
         "conversation.item.delete": item_delete,
+        "conversation.item.truncate": item_truncate,
         "response.create": response_create,
         "response.cancel": response_cancel,
     }
@@ -362,6 +447,7 @@ class RealtimeSession:
             if out.output_type == "audio":
                 new = pieces.take(out.audio.waveform, out.finished)
                 if new is not None and len(new):
+                    self.sent[where["item_id"]] = self.sent.get(where["item_id"], 0) + len(new)
                     data = encode_audio(new, out.audio.sample_rate, "pcm")
                     await self.send("response.output_audio.delta",
                                     delta=base64.b64encode(data).decode(), **where)
@@ -461,8 +547,13 @@ class RealtimeEndpoint:
     sessions and on a silent client, every client event handed to the session in order."""
 
     def __init__(self, chat: OmniServingChat, api_keys: list[str], max_sessions: int = 64,
-                 idle_timeout: float = 600.0) -> None:
+                 idle_timeout: float = 600.0,
+                 transcription: OmniServingTranscription | None = None) -> None:
+        if max_sessions < 1 or idle_timeout <= 0:
+            raise ValueError("the realtime session limit must be at least 1 and the idle "
+                             f"timeout positive, not {max_sessions} and {idle_timeout}")
         self.chat, self.max_sessions, self.idle_timeout = chat, max_sessions, idle_timeout
+        self.transcription = transcription
         self.expected = [f"Bearer {k}" for k in api_keys]
         self.open = 0
 
@@ -491,7 +582,7 @@ class RealtimeEndpoint:
             async with lock:  # a response's task and the reader both write
                 await ws.send_text(json.dumps(event))
 
-        session = RealtimeSession(self.chat, send)
+        session = RealtimeSession(self.chat, send, self.transcription)
         try:
             await session.start()
             while True:

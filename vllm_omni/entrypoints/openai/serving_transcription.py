@@ -49,7 +49,7 @@ class OmniServingTranscription(OmniServing):
                                 "file")
         fields = {k: v[-1] for k, v in form.items() if k not in IGNORED}
         self.check_model(fields.pop("model", None))
-        if self.renderer is None or self.hearing_rate() is None:
+        if not self.hears():
             raise OmniHTTPError(HTTPStatus.BAD_REQUEST, f"pipeline {self.omni.pipeline.name!r}"
                                 " has no text stage that hears audio")
         fmt = fields.pop("response_format", "json")
@@ -65,10 +65,7 @@ class OmniServingTranscription(OmniServing):
             "temperature": float(fields.pop("temperature", 0) or 0),
             "stream": stream, **fields,
         })
-        _, (engine_input,) = await rendered(self.renderer.render_chat(request))
-        prompt_len = len(engine_input["prompt_token_ids"])
-        params = self.text_request_params(request, prompt_len)
-        outputs = self.omni.generate(engine_input, params, request_id, ["text"])
+        outputs, prompt_len = await self._start(request, request_id)
         if stream:
             return self._events(await primed(outputs), prompt_len)
         text = (await final_outputs(outputs))["text"]
@@ -76,6 +73,27 @@ class OmniServingTranscription(OmniServing):
         if fmt == "text":
             return transcript.encode(), "text/plain; charset=utf-8"
         return {"text": transcript, "usage": _usage(prompt_len, text.num_generated_tokens)}
+
+    async def _start(self, request: OmniChatCompletionRequest, request_id: str
+                     ) -> tuple[AsyncIterator, int]:
+        _, (engine_input,) = await rendered(self.renderer.render_chat(request))
+        prompt_len = len(engine_input["prompt_token_ids"])
+        params = self.text_request_params(request, prompt_len)
+        return self.omni.generate(engine_input, params, request_id, ["text"]), prompt_len
+
+    def hears(self) -> bool:
+        return self.renderer is not None and self.hearing_rate() is not None
+
+    async def transcript(self, wav: bytes, request_id: str, language: str | None = None,
+                         prompt: str | None = None) -> tuple[str, dict]:
+        """The transcript of a wav file and its usage, greedy: what the endpoint answers
+        for that upload (the Realtime API's input transcription)."""
+        request = parse_model(OmniChatCompletionRequest, {
+            "messages": transcription_messages(wav, self.hearing_rate(), language, prompt),
+            "temperature": 0})
+        outputs, prompt_len = await self._start(request, request_id)
+        text = (await final_outputs(outputs))["text"]
+        return text.outputs[0].text, _usage(prompt_len, text.num_generated_tokens)
 
     async def _events(self, outputs: AsyncIterator, prompt_len: int) -> AsyncIterator[str]:
         text, whole = TextDeltas(), ""
