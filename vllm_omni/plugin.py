@@ -4,6 +4,7 @@ TALKER = "vllm_omni.models.qwen2_5_omni.talker:Qwen2_5OmniTalkerForCodecGenerati
 QWEN3_THINKER = (
     "vllm_omni.models.qwen3_omni.thinker:Qwen3OmniMoeThinkerWithTalkerRows"
 )
+QWEN3_TALKER = "vllm_omni.models.qwen3_omni.talker:Qwen3OmniMoeTalkerForCodecGeneration"
 EDIT_ENCODER = "vllm_omni.models.qwen_image.encoder:QwenImageEditTextEncoder"
 
 
@@ -18,5 +19,7 @@ def register() -> None:
         ModelRegistry.register_model("Qwen2_5OmniTalkerForCodecGeneration", TALKER)
     if "Qwen3OmniMoeThinkerWithTalkerRows" not in supported:
         ModelRegistry.register_model("Qwen3OmniMoeThinkerWithTalkerRows", QWEN3_THINKER)
+    if "Qwen3OmniMoeTalkerForCodecGeneration" not in supported:
+        ModelRegistry.register_model("Qwen3OmniMoeTalkerForCodecGeneration", QWEN3_TALKER)
     if "QwenImageEditTextEncoder" not in supported:
         ModelRegistry.register_model("QwenImageEditTextEncoder", EDIT_ENCODER)

@@ -8,7 +8,11 @@ reads the tensors and lets the model turn them into its table
 (`model.step_table(tensors, **args)`, e.g. talker.StepTable: `rows` per position and
 `use_codec(positions)`, where the token's own embedding counts); during each forward
 pass the model asks for the rows of the step's tokens (`model.step_inputs(positions)`), which
-the worker gathers request by request in the model runner's token layout.
+the worker gathers request by request in the model runner's token layout. A model whose
+inputs depend on more than the position (Qwen3-Omni's talker: the codes it wrote the step
+before) asks instead for the step's segments (`model.step_segments()`: per request with
+tokens in the step, its table, or None, and its tokens' start and count) and reads its
+tables itself.
 
 Every rank of a tensor-parallel stage runs the model, so each reads the tensors; none
 releases them: the stage discards the payload once the request is over.
@@ -38,6 +42,7 @@ class StepInputsMixin:
         self._step_model = self.model_runner.get_model()
         if hasattr(self._step_model, "step_table"):
             self._step_model.step_inputs = self._step_rows
+            self._step_model.step_segments = self._step_segments
 
     def execute_model(self, scheduler_output: Any):
         if not hasattr(self, "_step_tables"):
@@ -91,3 +96,18 @@ class StepInputsMixin:
                 rope[:, start : start + n] = table.rope_positions(pos)
             start += n
         return part, use_token[:, 0], rope
+
+    def _step_segments(self) -> list[tuple[Any, int, int]] | None:
+        """Per request with tokens in this step, in the model runner's token layout: (its
+        table, or None without step inputs, the index of its first token, its token count);
+        None outside a scheduled step."""
+        scheduled = self._step_scheduled
+        if scheduled is None:
+            return None
+        segments, start = [], 0
+        for req_id in self.model_runner.input_batch.req_ids:
+            n = scheduled.num_scheduled_tokens.get(req_id, 0)
+            if n:
+                segments.append((self._step_tables.get(req_id), start, n))
+            start += n
+        return segments
