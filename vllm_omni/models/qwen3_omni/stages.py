@@ -55,6 +55,9 @@ def talker_sampling(config: Any) -> dict[str, Any]:
         "repetition_penalty": 1.05,
         "max_tokens": 4096,
         "stop_token_ids": [eos],
+        # The config's eos (a text token id, 0 in the tiny model) is no code: only codec eos
+        # ends the speech.
+        "ignore_eos": True,
         "allowed_token_ids": [*range(vocab - 1024), eos],
         "detokenize": False,
     }
