@@ -84,17 +84,21 @@ OMNI_CHAT_TEMPLATE = chatml_template(
 )
 
 
-def _tokenizer(seed: int) -> PreTrainedTokenizerFast:
-
-    trained = train_tokenizer(THINKER_VOCAB, SPECIAL_TOKENS, seed=seed)
-    # Re-wrapped so that `extra_special_tokens` is part of the saved tokenizer config: that is
-    # where the processor looks up `image_token`, `audio_token`, ... when it loads.
+def omni_tokenizer(seed: int, special_tokens: list[str], extra_special_tokens: dict[str, str],
+                   chat_template: str, added: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """A trained tokenizer with an omni model's special tokens (and `added` plain tokens,
+    matched before BPE). Re-wrapped so that `extra_special_tokens` is part of the saved
+    tokenizer config: that is where the processor looks up `image_token`, `audio_token`, ...
+    when it loads."""
+    trained = train_tokenizer(THINKER_VOCAB, special_tokens, seed=seed)
+    if added:
+        trained.add_tokens(list(added))
     return PreTrainedTokenizerFast(
         tokenizer_object=trained.backend_tokenizer,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        extra_special_tokens=EXTRA_SPECIAL_TOKENS,
-        chat_template=OMNI_CHAT_TEMPLATE,
+        extra_special_tokens=extra_special_tokens,
+        chat_template=chat_template,
         model_max_length=32768,
     )
 
@@ -258,18 +262,18 @@ def omni_config(ids: dict[str, int], vocab_size: int, dtype: str, size: str = "t
     )
 
 
-def _reinit_token2wav(model) -> None:
-    """PyTorch's default init for token2wav's linear, conv and embedding layers.
+def default_init(module: torch.nn.Module) -> None:
+    """PyTorch's default init for the linear, conv and embedding layers of `module`.
 
-    HF's init (normal, std 0.02) shrinks the signal at every BigVGAN layer (the waveform comes
-    out around 1e-7) and leaves the DiT's code embedding too weak to matter: the waveform was
-    the diffusion noise alone, the same for any codes. With the default init, codes move the
-    waveform about as much as the noise does.
+    HF's init (normal, std 0.02) shrinks the signal at every vocoder layer (the waveform comes
+    out around 1e-7): with the default init, codes move the waveform as they should. For
+    Qwen2.5-Omni's token2wav it also keeps the DiT's code embedding strong enough to matter
+    (with HF's, the waveform was the diffusion noise alone, the same for any codes).
     """
     layers = torch.nn.Linear | torch.nn.Conv1d | torch.nn.ConvTranspose1d | torch.nn.Embedding
-    for module in model.token2wav.modules():
-        if isinstance(module, layers):
-            module.reset_parameters()
+    for child in module.modules():
+        if isinstance(child, layers):
+            child.reset_parameters()
 
 
 def _speakers(ids: dict[str, int], config) -> dict[str, dict[str, Any]]:
@@ -286,14 +290,15 @@ def _speakers(ids: dict[str, int], config) -> dict[str, dict[str, Any]]:
     }
 
 
-def _save_processor(out_dir: Path, tokenizer) -> None:
-    """Processor files as the released model has them.
+def save_processor(out_dir: Path, tokenizer, processor_class: str, patch_size: int,
+                   size: dict[str, int]) -> None:
+    """Processor files as the released omni models have them.
 
     The Whisper feature extractor and the Qwen2-VL image processor both save to
     `preprocessor_config.json`; saving one after the other would keep only the second, so the
     two dicts are merged into one file. The image processor is the PIL backend: torchvision is
-    not needed to build or load it. No video processor config is written (the released model
-    has none either); transformers 5.19 has Qwen2-VL's video processor only for torchvision.
+    not needed to build or load it. No video processor config is written (the released models
+    have none either); transformers 5.19 has Qwen2-VL's video processor only for torchvision.
     """
     from transformers import WhisperFeatureExtractor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -302,17 +307,14 @@ def _save_processor(out_dir: Path, tokenizer) -> None:
         feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400
     )
     image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 256},
-        patch_size=14,
-        temporal_patch_size=2,
-        merge_size=2,
+        size=size, patch_size=patch_size, temporal_patch_size=2, merge_size=2,
     )
     merged = {
         **feature_extractor.to_dict(),
         **image_processor.to_dict(),
         "feature_extractor_type": "WhisperFeatureExtractor",
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5OmniProcessor",
+        "processor_class": processor_class,
     }
     (out_dir / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, sort_keys=True))
     tokenizer.save_pretrained(out_dir)  # with its chat template (chat_template.jinja)
@@ -323,12 +325,12 @@ def build_qwen2_5_omni(out_dir: Path, seed: int, dtype: str, size: str = "tiny")
     and talker wider and deeper; "scaled": the 7B's proportions, see SIZES) to `out_dir`."""
     from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
 
-    tokenizer = _tokenizer(seed)
+    tokenizer = omni_tokenizer(seed, SPECIAL_TOKENS, EXTRA_SPECIAL_TOKENS, OMNI_CHAT_TEMPLATE)
     ids = _token_ids(tokenizer)
     config = omni_config(ids, len(tokenizer), dtype, size)
     torch.manual_seed(seed)
     model = Qwen2_5OmniForConditionalGeneration(config).eval()
-    _reinit_token2wav(model)
+    default_init(model.token2wav)
     # token2wav stays in fp32: HF runs it in fp32 whatever the model's dtype.
     model.thinker.to(getattr(torch, dtype))
     model.talker.to(getattr(torch, dtype))
@@ -336,4 +338,5 @@ def build_qwen2_5_omni(out_dir: Path, seed: int, dtype: str, size: str = "tiny")
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=ids["<|endoftext|>"])
     model.save_pretrained(out_dir)
     torch.save(_speakers(ids, config), out_dir / "spk_dict.pt")
-    _save_processor(out_dir, tokenizer)
+    save_processor(out_dir, tokenizer, "Qwen2_5OmniProcessor", patch_size=14,
+                   size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 256})

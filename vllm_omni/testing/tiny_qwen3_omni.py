@@ -8,15 +8,13 @@ speakers live in the talker config (`speaker_id`), as in the release.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerFast
 
-from vllm_omni.testing.tokenizer import chatml_template, train_tokenizer
+from vllm_omni.testing.tiny_omni import default_init, omni_tokenizer, save_processor
+from vllm_omni.testing.tokenizer import chatml_template
 
-THINKER_VOCAB = 1024
 # As for Qwen2.5-Omni (tiny_omni.INIT_STD): HF's std 0.02 leaves a tiny decoder's greedy output
 # one token repeated whatever the prompt.
 INIT_STD = 0.1
@@ -69,19 +67,6 @@ OMNI_CHAT_TEMPLATE = chatml_template(
     "{% elif part['type'] == 'text' %}{{ part['text'] }}"
     "{% endif %}"
 )
-
-
-def _tokenizer(seed: int) -> PreTrainedTokenizerFast:
-    trained = train_tokenizer(THINKER_VOCAB, SPECIAL_TOKENS, seed=seed)
-    trained.add_tokens(ROLE_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=trained.backend_tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=EXTRA_SPECIAL_TOKENS,
-        chat_template=OMNI_CHAT_TEMPLATE,
-        model_max_length=32768,
-    )
 
 
 def _token_ids(tokenizer) -> dict[str, int]:
@@ -186,15 +171,6 @@ def omni_config(ids: dict[str, int], vocab_size: int, dtype: str):
     )
 
 
-def _reinit_code2wav(model) -> None:
-    """PyTorch's default init for code2wav's convolutions and embeddings: HF's small normal
-    init shrinks the signal layer after layer, leaving a waveform near zero for any codes."""
-    layers = torch.nn.Linear | torch.nn.Conv1d | torch.nn.ConvTranspose1d | torch.nn.Embedding
-    for module in model.code2wav.modules():
-        if isinstance(module, layers):
-            module.reset_parameters()
-
-
 def _init_talker_experts(model) -> None:
     """HF's init leaves the talker's router and experts as they were allocated (zeros, or
     whatever the memory held): every expert parameter gets the thinker's init here."""
@@ -203,44 +179,22 @@ def _init_talker_experts(model) -> None:
             torch.nn.init.normal_(param, std=INIT_STD)
 
 
-def _save_processor(out_dir: Path, tokenizer) -> None:
-    """Processor files as released: the Whisper feature extractor and the Qwen2-VL image
-    processor share `preprocessor_config.json` (merged, as in tiny_omni)."""
-    from transformers import WhisperFeatureExtractor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    feature_extractor = WhisperFeatureExtractor(
-        feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400
-    )
-    image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 256},
-        patch_size=16, temporal_patch_size=2, merge_size=2,
-    )
-    merged = {
-        **feature_extractor.to_dict(),
-        **image_processor.to_dict(),
-        "feature_extractor_type": "WhisperFeatureExtractor",
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen3OmniMoeProcessor",
-    }
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, sort_keys=True))
-    tokenizer.save_pretrained(out_dir)
-
-
 def build_qwen3_omni(out_dir: Path, seed: int, dtype: str) -> None:
     """Write the tiny Qwen3-Omni folder to `out_dir`."""
     from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
 
-    tokenizer = _tokenizer(seed)
+    tokenizer = omni_tokenizer(seed, SPECIAL_TOKENS, EXTRA_SPECIAL_TOKENS, OMNI_CHAT_TEMPLATE,
+                               added=tuple(ROLE_TOKENS))
     ids = _token_ids(tokenizer)
     config = omni_config(ids, len(tokenizer), dtype)
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(config).eval()
     with torch.no_grad():
         _init_talker_experts(model)
-        _reinit_code2wav(model)
+        default_init(model.code2wav)
     model.to(getattr(torch, dtype))
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=ids["<|endoftext|>"])
     model.save_pretrained(out_dir)
-    _save_processor(out_dir, tokenizer)
+    save_processor(out_dir, tokenizer, "Qwen3OmniMoeProcessor", patch_size=16,
+                   size={"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 256})

@@ -249,8 +249,7 @@ class RealtimeSession:
 
     async def _transcribe(self, item: dict, pcm: bytes) -> None:
         settings = self.session["audio"]["input"]["transcription"]
-        samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768
-        wav = encode_audio(samples, self._input_rate, "wav")
+        wav = _pcm_wav(pcm, self._input_rate)
         where = {"item_id": item["id"], "content_index": 0}
         try:
             text, usage = await self.transcription.transcript(
@@ -515,6 +514,11 @@ def _pcm(fmt: Any, rate: int | None, param: str) -> dict:
     return {"type": PCM, "rate": given}
 
 
+def _pcm_wav(pcm: bytes, rate: int) -> bytes:
+    """16-bit little-endian mono pcm as a wav file (what chat's audio parts carry)."""
+    return encode_audio(np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768, rate, "wav")
+
+
 def _chat_part(part: Any, input_rate: int) -> dict:
     """A conversation item's content part as a chat content part."""
     part = _object(part, "item.content[]")
@@ -534,8 +538,7 @@ def _chat_part(part: Any, input_rate: int) -> dict:
         if not pcm or len(pcm) % 2:
             raise RealtimeError("input_audio.audio must be whole 16-bit samples",
                                 param="item.content")
-        samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768
-        wav = encode_audio(samples, input_rate, "wav")
+        wav = _pcm_wav(pcm, input_rate)
         return {"type": "input_audio",
                 "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
     raise RealtimeError(f"content parts of type {kind!r} are not supported",

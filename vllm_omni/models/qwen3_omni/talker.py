@@ -197,17 +197,20 @@ class Qwen3OmniMoeTalkerForCodecGeneration(nn.Module):
         for table, start, n in segments:
             if table is None:
                 continue
-            for k in range(n):
-                row, pos = start + k, int(positions[start + k])
-                if pos < table.prompt_len:
-                    out[row] = table.prompt_rows[pos] + embeds[row] * table.codec_mask[pos]
-                elif pos - table.prompt_len < len(table.frames):  # computed again
-                    frame = table.frames[pos - table.prompt_len]
+            pos = positions[start : start + n]
+            prompt = pos < table.prompt_len  # the prompt's rows at once (a prefill's many)
+            rows = start + torch.nonzero(prompt).flatten()
+            out[rows] = (table.prompt_rows[pos[prompt]]
+                         + embeds[rows] * table.codec_mask[pos[prompt], None])
+            for k in torch.nonzero(~prompt).flatten().tolist():
+                row, pos_k = start + k, int(pos[k])
+                if pos_k - table.prompt_len < len(table.frames):  # computed again
+                    frame = table.frames[pos_k - table.prompt_len]
                     out[row] = self._frame_embedding(frame[None])[0] + table.text_row(
-                        pos - table.prompt_len)
+                        pos_k - table.prompt_len)
                     codes[row] = frame
                 else:
-                    new.append((row, table, pos - table.prompt_len))
+                    new.append((row, table, pos_k - table.prompt_len))
         if new:
             rows = [r for r, _, _ in new]
             frames = torch.cat([ids[rows][:, None], self._residual_codes(
